@@ -1,0 +1,66 @@
+"""Gradients of the global mean loss across two meshes: expert sync and a true global norm clip.
+
+Convention (the same as FSDP's): each rank's loss is ``world_size`` times its share of the global
+mean, and FSDP averages dense gradients over all ranks. An expert shard's gradient after backward
+holds only its own ep group's tokens, so it must be summed over the dp replicas and divided by
+``world_size`` to match; ``sync_expert_grads`` does that once per optimizer step (not per
+micro-step: summing is linear, so accumulated micro-step gradients can be reduced together).
+"""
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .mesh import MoEMesh
+from .shard import expert_parameters
+
+
+def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
+    grads = [p.grad.to_local() for p in expert_parameters(model) if p.grad is not None]
+    if not grads:
+        return
+    if mesh.dp_size > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of two per layer
+        dist.all_reduce(flat, group=mesh.dp_group)
+        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+    for g in grads:
+        g.div_(mesh.world_size)
+
+
+def _mesh_key(grad: torch.Tensor):
+    if isinstance(grad, DTensor):
+        return (id(grad.device_mesh), tuple(grad.placements))
+    return None
+
+
+def clip_grad_norm_(parameters, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+    """Clip all gradients by their true global 2-norm and return it (a plain tensor).
+
+    ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP's 1-D mesh and
+    the experts' (dp, ep) mesh). Here each group of gradients with the same mesh and placements gets
+    its norm from ``get_total_norm`` (DTensor reduces it correctly over its own mesh), and the groups'
+    norms are combined. Plain tensors are taken as replicated.
+    """
+    groups = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            groups[_mesh_key(p.grad)].append(p.grad)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]))
+    if max_norm > 0:
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups.values():
+            for g in grads:
+                local = g.to_local() if isinstance(g, DTensor) else g
+                local.mul_(clip_coef.to(local.device, local.dtype))
+    return total

@@ -1,0 +1,88 @@
+"""The (dp x ep) device mesh, described once; every other piece asks it for sizes and groups.
+
+Every rank reads its own slice of the data. Dense parameters are sharded by FSDP over all ranks
+(the 1-D ``world`` mesh). Expert weights are split over ``ep`` (each rank of an ep group owns
+``num_experts / ep`` whole experts) and replicated over ``dp``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ep_size(ep_size: int, world_size: int, num_experts: int | None = None) -> None:
+    """Raise a ValueError that names the valid choices when ep_size cannot split the world or experts."""
+    if ep_size < 1:
+        raise ValueError(f"ep_size={ep_size} must be >= 1")
+    if world_size % ep_size != 0:
+        raise ValueError(
+            f"world_size={world_size} is not divisible by ep_size={ep_size}; "
+            f"choose ep_size in {divisors(world_size)}"
+        )
+    if num_experts is not None and num_experts % ep_size != 0:
+        valid = [d for d in divisors(num_experts) if world_size % d == 0]
+        raise ValueError(
+            f"num_local_experts={num_experts} is not divisible by ep_size={ep_size}; choose ep_size in {valid}"
+        )
+
+
+@dataclass
+class MoEMesh:
+    """The 2-D ("dp", "ep") mesh for experts and the 1-D "world" mesh FSDP shards dense weights over."""
+
+    mesh: DeviceMesh  # 2-D, dims ("dp", "ep")
+    world: DeviceMesh  # 1-D, dim ("fsdp",), all ranks
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    @property
+    def ep_size(self) -> int:
+        return self.mesh["ep"].size()
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.mesh["ep"].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.mesh["ep"].get_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    @property
+    def device_type(self) -> str:
+        return self.mesh.device_type
+
+
+def build_mesh(ep_size: int, device_type: str | None = None, num_experts: int | None = None) -> MoEMesh:
+    """Build the meshes on an initialised process group; ``dp = world_size // ep_size``."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: launch with torchrun (or call "
+            "torch.distributed.init_process_group) before shard_moe"
+        )
+    world_size = dist.get_world_size()
+    check_ep_size(ep_size, world_size, num_experts)
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+    return MoEMesh(mesh=mesh, world=world)

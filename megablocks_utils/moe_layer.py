@@ -1,0 +1,154 @@
+"""The native dropless expert-parallel MoE layer.
+
+One token's trip through a layer:
+  route (fp32 softmax, top-k, renormalise) -> sort token copies by expert -> all-to-all to the ep
+  rank that owns the expert -> grouped GEMM over the local experts -> all-to-all back -> weight by
+  the router scores and sum the k copies of each token.
+
+No capacity factor: every token copy is computed, an expert with zero tokens is fine.
+Expert weights are DTensors (Replicate on "dp", Shard(0) on "ep"); the forward uses their local
+shard. Their gradient is therefore this ep group's contribution only: ``sync_expert_grads`` in
+``grads.py`` sums it over dp and scales it the way FSDP scales dense gradients.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# all_to_all_single_autograd is torch's functional collective with a backward (the reverse
+# all-to-all); it lives in this underscore module, and torch has no public autograd all-to-all
+# that takes a DeviceMesh or group with uneven splits otherwise.
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.tensor import DTensor
+from transformers.activations import ACT2FN
+
+from .mesh import MoEMesh
+
+
+class TopKRouter(nn.Module):
+    """Softmax (in fp32) over experts, top-k, optionally renormalised; Mixtral/Qwen/OLMoE semantics."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return probs, top_w, top_i
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM kernels need CUDA sm80+ and bf16; elsewhere we loop over experts."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if hasattr(F, "grouped_mm"):  # public since torch 2.12
+        return F.grouped_mm(a, b, offs=offs)
+    return torch._grouped_mm(a, b, offs=offs)  # the same kernel under its older name
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's experts of one layer, stored fused like transformers 5 does.
+
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors sharded on dim 0 over "ep";
+    the names match transformers' fused layout so state dicts line up with ``MixtralExperts``.
+    """
+
+    def __init__(self, num_experts: int, mesh: MoEMesh, act_fn: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.mesh = mesh
+        self.num_local_experts = num_experts // mesh.ep_size
+        self.act_fn = ACT2FN[act_fn]
+        self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
+
+    def set_weights(self, gate_up_proj: DTensor, down_proj: DTensor) -> None:
+        self.gate_up_proj = nn.Parameter(gate_up_proj)
+        self.down_proj = nn.Parameter(down_proj)
+
+    def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w_gate_up, w_down = self.gate_up_proj, self.down_proj
+        if isinstance(w_gate_up, DTensor):
+            w_gate_up, w_down = w_gate_up.to_local(), w_down.to_local()
+        return w_gate_up.to(dtype), w_down.to(dtype)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
+        """Run the local experts on rows of ``x`` already grouped by local expert."""
+        w_gate_up, w_down = self._local_weights(x.dtype)
+        if grouped_mm_supported(x) and not self.force_loop:
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            gate, up = _grouped_mm(x, w_gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+            return _grouped_mm(self.act_fn(gate) * up, w_down.transpose(-2, -1), offs)
+        outputs = []
+        for e, rows in enumerate(torch.split(x, counts_host)):
+            gate, up = F.linear(rows, w_gate_up[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, w_down[e]))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w_down.shape[1])
+
+    def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts)."""
+        num_tokens, k = top_i.shape
+        flat_expert = top_i.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of_copy = order // k
+        routed = x[token_of_copy]
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        ep, local = self.mesh.ep_size, self.num_local_experts
+
+        if ep == 1:
+            out = self.compute(routed, counts, counts.tolist())
+        else:
+            group = self.mesh.ep_group
+            # recv_counts[s * local + e]: copies rank s sends to my local expert e.
+            recv_counts = all_to_all_single(counts, None, None, group)
+            host = torch.cat([counts, recv_counts]).tolist()  # the one host sync of the layer
+            send_splits = [sum(host[r * local : (r + 1) * local]) for r in range(ep)]
+            recv_host = host[self.num_experts :]
+            recv_splits = [sum(recv_host[s * local : (s + 1) * local]) for s in range(ep)]
+            received = all_to_all_single_autograd(routed, recv_splits, send_splits, group)
+            # Received rows are source-major; the experts want them expert-major.
+            chunk = torch.repeat_interleave(
+                torch.arange(ep * local, device=x.device), recv_counts.to(torch.long), output_size=sum(recv_host)
+            )
+            regroup = torch.argsort((chunk % local) * ep + chunk // local, stable=True)
+            per_expert = recv_counts.view(ep, local).sum(0)
+            per_expert_host = [sum(recv_host[e::local]) for e in range(local)]
+            expert_out = self.compute(received[regroup], per_expert, per_expert_host)
+            source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
+            out = all_to_all_single_autograd(source_major, send_splits, recv_splits, group)
+
+        weighted = (out * top_w.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+        return torch.zeros_like(x).index_add(0, token_of_copy, weighted)
+
+
+class ExpertParallelMoE(nn.Module):
+    """A dropless expert-parallel replacement for a transformers MoE block (``layer.mlp``).
+
+    While ``record_router`` is on, the forward keeps this layer's router probabilities and choices
+    for the load-balancing loss (see ``aux_loss.py``); ``shard_moe`` turns it on at each model
+    forward and the loss turns it off, so recomputation under activation checkpointing records
+    nothing and routes exactly as the first pass did (routing is a pure function of the input).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, mesh, act_fn: str):
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.experts = ExpertParallelExperts(num_experts, mesh, act_fn)
+        self.record_router = False
+        self.router_probs = None
+        self.router_choices = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        probs, top_w, top_i = self.gate(x)
+        if self.record_router:
+            self.router_probs, self.router_choices = probs, top_i
+        return self.experts(x, top_i, top_w).reshape(shape)

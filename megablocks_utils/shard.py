@@ -1,0 +1,187 @@
+"""``shard_moe``: turn a transformers MoE model into an expert-parallel one, loading only local experts."""
+
+import importlib.util
+import os
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .loading import Checkpoint, expert_layout, hub_to_model_name, is_expert_tensor, load_local_experts
+from .mesh import MoEMesh, build_mesh
+from .models import MoESpec, decoder_layers, spec_for
+from .moe_layer import ExpertParallelMoE
+
+BACKENDS = ("native", "megablocks")
+
+
+def check_backend(moe_backend: str) -> None:
+    if moe_backend not in BACKENDS:
+        raise ValueError(f"moe_backend={moe_backend!r} is unknown; choose one of {BACKENDS}")
+    if moe_backend == "megablocks":
+        if importlib.util.find_spec("megablocks") is None:
+            raise ImportError(
+                "moe_backend='megablocks' needs the megablocks package, which is not installed; "
+                "install it with `pip install -r requirements-megablocks.txt` (CUDA only) or use moe_backend='native'"
+            )
+        raise NotImplementedError(
+            "moe_backend='megablocks' is not wired up in this version; use moe_backend='native'"
+        )
+
+
+def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights (DTensors on the (dp, ep) mesh): what FSDP must leave alone."""
+    return [p for block in moe_blocks(model) for p in block.experts.parameters()]
+
+
+def _start_recording_router(model: nn.Module, args) -> None:
+    for block in moe_blocks(model):
+        block.record_router = True
+
+
+def _as_expert_dtensor(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
+    return DTensor.from_local(local, mesh.mesh, [Replicate(), Shard(0)], run_check=False)
+
+
+def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> None:
+    """Allocate the meta skeleton's dense tensors on ``device`` and fill them from the checkpoint."""
+    model.to_empty(device=device)
+    # Non-persistent buffers (rotary inv_freq) are not in checkpoints; transformers computes them
+    # in its per-module init, the same routine from_pretrained runs after building on meta.
+    for module in model.modules():
+        if any(name in module._non_persistent_buffers_set for name, _ in module.named_buffers(recurse=False)):
+            model._init_weights(module)
+    targets = dict(model.named_parameters())
+    targets.update(model.state_dict(keep_vars=True))  # persistent buffers too
+    loaded = set()
+    with torch.no_grad():
+        for name in ckpt.names():
+            if is_expert_tensor(name, spec):
+                continue
+            target = hub_to_model_name(name, spec)
+            if target not in targets:
+                if "rotary_emb.inv_freq" in target:  # old checkpoints carry it; it is recomputed above
+                    continue
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
+                    "the checkpoint and config.json do not belong to the same model"
+                )
+            value = ckpt.get(name)
+            if targets[target].shape != value.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(value.shape)} but the model expects "
+                    f"{tuple(targets[target].shape)}; config.json does not match the weights"
+                )
+            targets[target].copy_(value)
+            loaded.add(target)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        loaded.update(n for n, p in model.named_parameters(remove_duplicate=False) if n.startswith("lm_head"))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)  # experts are not attached yet
+    if missing:
+        raise ValueError(f"the checkpoint in {ckpt.model_dir} lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+
+
+def shard_moe(
+    model: nn.Module,
+    ep_size: int,
+    *,
+    model_dir: str | None = None,
+    device: torch.device | str | None = None,
+    moe_backend: str = "native",
+) -> MoEMesh:
+    """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
+
+    ``model`` is either built on the meta device (then ``model_dir`` supplies every weight: dense
+    ones whole, experts as this rank's slices only) or a materialised transformers model (then the
+    local experts are sliced out of it). Returns the mesh; the model is modified in place.
+    """
+    check_backend(moe_backend)
+    config = model.config
+    spec = spec_for(config)
+    num_experts = getattr(config, spec.num_experts_attr)
+    top_k = getattr(config, spec.top_k_attr)
+    intermediate = getattr(config, spec.intermediate_attr)
+    renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else getattr(config, spec.renormalize)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    mesh = build_mesh(ep_size, device.type, num_experts)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and model_dir is None:
+        raise ValueError("the model is on the meta device: pass model_dir so shard_moe can load its weights")
+
+    old_blocks = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        old = getattr(layer, spec.block_attr, None)
+        if old is None or not hasattr(old, spec.experts_attr):
+            continue
+        dtype = getattr(old, spec.router_attr).weight.dtype
+        with torch.device("meta" if on_meta else device):
+            new = ExpertParallelMoE(config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act)
+        new.to(dtype)
+        old_blocks[index] = old
+        setattr(layer, spec.block_attr, new)
+    if not old_blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no MoE blocks (no decoder layer has `{spec.block_attr}.{spec.experts_attr}`); "
+            "shard_moe needs a mixture-of-experts model"
+        )
+
+    ckpt = Checkpoint(model_dir) if model_dir is not None else None
+    if on_meta:
+        _materialize_dense(model, ckpt, spec, device)
+    else:
+        model.to(device)
+
+    layout = expert_layout(ckpt, spec) if ckpt is not None else None
+    local = num_experts // mesh.ep_size
+    mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
+    layers = decoder_layers(model)
+    for index, old in old_blocks.items():
+        new = getattr(layers[index], spec.block_attr)
+        dtype = new.gate.weight.dtype
+        gate_up = torch.empty(local, 2 * intermediate, config.hidden_size, dtype=dtype, device=device)
+        down = torch.empty(local, config.hidden_size, intermediate, dtype=dtype, device=device)
+        with torch.no_grad():
+            if on_meta:
+                load_local_experts(ckpt, spec, layout, index, mine, intermediate, gate_up, down)
+            else:
+                old_experts = getattr(old, spec.experts_attr)
+                gate_up.copy_(old_experts.gate_up_proj[mine.start : mine.stop])
+                down.copy_(old_experts.down_proj[mine.start : mine.stop])
+                new.gate.weight.copy_(getattr(old, spec.router_attr).weight)
+        new.experts.set_weights(_as_expert_dtensor(gate_up, mesh), _as_expert_dtensor(down, mesh))
+    if ckpt is not None:
+        ckpt.close()
+    model.register_forward_pre_hook(_start_recording_router)
+    # transformers' own aux loss would look for its router class's outputs and find none; ours is
+    # computed over the global token set by aux_loss.router_stats instead.
+    config.output_router_logits = False
+    return mesh
+
+
+def load_model(
+    model_dir: str,
+    ep_size: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    moe_backend: str = "native",
+) -> tuple[nn.Module, MoEMesh]:
+    """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local model")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(model_dir)
+    spec_for(config)  # fail early, with the list of supported models
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    mesh = shard_moe(model, ep_size, model_dir=model_dir, device=device, moe_backend=moe_backend)
+    return model, mesh

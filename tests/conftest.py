@@ -1,0 +1,74 @@
+"""Shared test helpers: tiny MoE configs and a launcher that runs a function on N real gloo ranks."""
+
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def tiny_mixtral_config(**overrides):
+    from transformers import MixtralConfig
+
+    values = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        router_aux_loss_coef=0.02,
+        output_router_logits=True,
+        pad_token_id=0,
+    )
+    values.update(overrides)
+    return MixtralConfig(**values)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; fail with the ranks' tracebacks."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="spawn")
+    except Exception:
+        messages = []
+        while not errors.empty():
+            rank, tb = errors.get()
+            messages.append(f"--- rank {rank} ---\n{tb}")
+        pytest.fail("\n".join(messages) or "a rank failed", pytrace=False)
+
+
+@pytest.fixture
+def tmp_dir(tmp_path):
+    return str(tmp_path)

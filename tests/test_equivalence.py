@@ -1,0 +1,104 @@
+"""The expert-parallel model equals the single-process transformers model: logits, loss, aux loss, every grad."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_ranks, tiny_mixtral_config
+
+from megablocks_utils import (
+    IGNORE_INDEX,
+    causal_lm_loss_sum,
+    clip_grad_norm_,
+    count_label_tokens,
+    expert_parameters,
+    router_stats,
+    shard_moe,
+    sync_expert_grads,
+)
+
+TOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def make_batch(vocab: int, batch: int = 4, seq: int = 12):
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, 9:] = 0  # right padding on some rows
+    mask[3, 5:] = 0
+    labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    labels[:, :3] = IGNORE_INDEX  # a "prompt" that is not trained
+    input_ids = input_ids.masked_fill(mask == 0, 0)
+    return input_ids, mask, labels
+
+
+def check_matches_single_process(rank, world, ep_size, routing, top_k):
+    from transformers import MixtralForCausalLM
+
+    config = tiny_mixtral_config(num_experts_per_tok=top_k)
+    torch.manual_seed(0)
+    reference = MixtralForCausalLM(config).float()
+    if routing == "collapsed":  # equal router scores: every token picks the same top-k experts
+        for layer in reference.model.layers:
+            torch.nn.init.zeros_(layer.mlp.gate.weight)
+    model = copy.deepcopy(reference)
+    input_ids, mask, labels = make_batch(config.vocab_size)
+
+    ref_out = reference(input_ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    ref_out.loss.backward()
+
+    mesh = shard_moe(model, ep_size, device="cpu")
+    rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
+    out = model(input_ids[rows], attention_mask=mask[rows])
+    stats = router_stats(model, mask[rows], mesh.world.get_group())
+    ce = causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels)
+    loss = world * (ce + config.router_aux_loss_coef * stats.local)
+    loss.backward()
+    experts = {id(p) for p in expert_parameters(model)}
+    for p in model.parameters():  # what FSDP does for dense parameters: average over all ranks
+        if id(p) not in experts:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    sync_expert_grads(model, mesh)
+
+    global_loss = loss.detach() / world
+    dist.all_reduce(global_loss)
+    assert rel_err(global_loss, ref_out.loss) <= TOL, (global_loss, ref_out.loss)
+    assert rel_err(stats.value, ref_out.aux_loss) <= TOL, (stats.value, ref_out.aux_loss)
+    assert rel_err(out.logits, ref_out.logits[rows]) <= TOL
+    ref_params = dict(reference.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(ref_params), "parameter names differ from transformers'"
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if id(p) in experts else p.grad
+        assert grad.shape == ref_params[name].grad.shape, name
+        assert rel_err(grad, ref_params[name].grad) <= TOL, (name, rel_err(grad, ref_params[name].grad))
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    norm = clip_grad_norm_(model.parameters(), max_norm=0.5 * float(ref_norm))
+    assert rel_err(norm, ref_norm) <= TOL, (norm, ref_norm)
+    clipped = torch.nn.utils.get_total_norm(
+        [p.grad.full_tensor() if id(p) in experts else p.grad for p in model.parameters()]
+    )
+    assert rel_err(clipped, 0.5 * ref_norm) <= 1e-4, (clipped, ref_norm)
+    if routing == "collapsed":  # the layer really saw experts with no tokens anywhere
+        assert (stats.tokens_per_expert == 0).any()
+
+
+@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), (2, 2)])
+def test_grads_match_single_process(dp, ep):
+    run_ranks(check_matches_single_process, dp * ep, ep, "learned", 2)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_collapsed_routing_is_exact(top_k):
+    """All tokens to the same expert(s): other experts get nothing, rank 0 sends nothing away."""
+    run_ranks(check_matches_single_process, 2, 2, "collapsed", top_k)
+
+
+def test_single_rank_ep1_matches():
+    run_ranks(check_matches_single_process, 1, 1, "learned", 2)
