@@ -1,0 +1,48 @@
+"""Throughput, MFU and memory numbers for the per-step JSONL and the end-of-run summary.
+
+FLOPs per trained token (stated in README):
+    6 * N_active + 12 * L * d_model * S
+N_active counts the weights a token passes through in matmuls: attention and norms, the router,
+top_k of the E experts of each layer, and the LM head (not the embedding lookup). The second
+term is attention's QK^T and AV products for a sequence of S tokens (forward + backward).
+"""
+
+import json
+import resource
+
+import torch
+
+
+def active_params(model, config, expert_params) -> int:
+    """Parameters a token multiplies through (global count, not this rank's shard)."""
+    experts = {id(p) for p in expert_params}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in experts)
+    embed = model.get_input_embeddings().weight.numel()
+    expert_total = sum(p.numel() for p in expert_params)  # DTensor numel is the global numel
+    num_experts = config.num_local_experts if hasattr(config, "num_local_experts") else config.num_experts
+    return dense - embed + expert_total * config.num_experts_per_tok // num_experts
+
+
+def flops_per_token(n_active: int, config, seq_len: int) -> int:
+    return 6 * n_active + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def peak_memory_gb(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {
+            "peak_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+
+
+class JsonlWriter:
+    def __init__(self, path: str):
+        self.file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,77 @@
+"""The embedded default model: a tiny Mixtral created locally and deterministically.
+
+No model hub is reachable here or in CI, so the default run makes its own model: a byte-level BPE
+tokenizer trained on the data file, a small Mixtral config, seeded random weights, written as a
+real sharded hub-layout checkpoint, which the trainer then loads through the same code path as a
+real Mixtral.
+"""
+
+import os
+import shutil
+
+import torch
+
+from .data import format_prompt, read_alpaca
+from .export import hub_state_dict, write_shards
+
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    router_aux_loss_coef=0.02,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+VOCAB_SIZE = 512
+
+
+def train_tokenizer(data_path: str, vocab_size: int = VOCAB_SIZE):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [format_prompt(r) + r["output"] for r in read_alpaca(data_path)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: int = 3) -> None:
+    """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tokenizer = train_tokenizer(data_path)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **TINY_CONFIG,
+    )
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config)
+    tensors = hub_state_dict(model)
+    names = sorted(tensors)
+    # Interleave names over the files so one expert's w1, w2 and w3 land in different files,
+    # exercising the loader's per-file handling the way real multi-file checkpoints do.
+    shards = [{n: tensors[n] for n in names[i::num_files]} for i in range(num_files)]
+    tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write_shards(tmp, shards)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.isdir(out_dir):  # another process finished first; theirs is identical
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out_dir)

@@ -1,0 +1,248 @@
+"""Fine-tune a Mixture-of-Experts model with FSDP2 on the dense weights and expert parallelism on the experts.
+
+    torchrun --nproc_per_node=2 train_fsdp2.py                      # the embedded tiny Mixtral, CPU or GPU
+    torchrun --nproc_per_node=8 train_fsdp2.py --model_name_or_path /models/Mixtral-8x7B-v0.1 --ep_size 8
+
+Edit the settings below or override any of them on the command line (--name value).
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- settings
+model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
+data_path = "data.json"  # alpaca-format JSON list of {instruction, input, output}
+output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF model (final/)
+overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
+ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
+moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
+max_length = 256  # tokens per sample; longer samples are truncated
+per_device_train_batch_size = 4  # samples per rank per micro-step
+gradient_accumulation_steps = 2  # micro-steps per optimizer step
+learning_rate = 2e-3  # peak learning rate (the tiny model trains from scratch; ~1e-5 for Mixtral)
+lr_scheduler_type = "cosine"  # "cosine", "linear" or "constant_with_warmup"
+warmup_steps = 5  # linear warmup steps
+weight_decay = 0.0  # AdamW weight decay
+max_grad_norm = 1.0  # clip the global gradient norm (0: no clipping, norm still logged)
+max_steps = 40  # optimizer steps; -1 = num_train_epochs over the data
+num_train_epochs = 1  # used when max_steps = -1
+seed = 42  # model-independent seeding: data order, dropout
+dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
+activation_checkpointing = False  # recompute decoder layers in backward (non-reentrant); on for big models
+router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
+logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step)
+peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
+# -----------------------------------------------------------------------------
+
+from megablocks_utils import (  # noqa: E402  (settings first, so they read like a config file)
+    causal_lm_loss_sum,
+    clip_grad_norm_,
+    expert_parameters,
+    load_model,
+    router_stats,
+    sync_expert_grads,
+)
+from megablocks_utils.data import DataError, GlobalBatches, build_dataset, collate  # noqa: E402
+from megablocks_utils.export import export_hf  # noqa: E402
+from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
+from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
+
+settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+try:
+    apply_overrides(settings)
+except SettingsError as e:
+    sys.exit(f"error: {e}")
+globals().update(settings)
+
+
+def fail(message) -> None:
+    """Stop every rank with one clear message (printed by rank 0), without a traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- process group
+if "RANK" not in os.environ:
+    fail("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
+use_cuda = torch.cuda.is_available()
+if use_cuda:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
+rank, world_size = dist.get_rank(), dist.get_world_size()
+master = rank == 0
+torch.manual_seed(seed)
+ep = ep_size or world_size
+compute_dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
+if compute_dtype is None:
+    fail(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
+
+# ----------------------------------------------------------------------------- output dir
+metrics_path = os.path.join(output_dir, "metrics.jsonl")
+if os.path.exists(metrics_path) and not overwrite_output_dir:
+    fail(f"{output_dir} already holds a run's results; choose another output_dir or pass --overwrite_output_dir true")
+
+# ----------------------------------------------------------------------------- model and data
+if model_name_or_path == "tiny-mixtral" and not os.path.isdir(model_name_or_path):
+    if master:  # the embedded default: made once, locally, deterministically
+        from megablocks_utils.tiny_model import make_tiny_mixtral
+
+        print("creating the embedded tiny Mixtral in ./tiny-mixtral", flush=True)
+        make_tiny_mixtral(model_name_or_path, data_path)
+    dist.barrier()
+try:
+    from transformers import AutoConfig, AutoTokenizer, get_scheduler
+
+    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    dataset, dropped = build_dataset(data_path, tokenizer, max_length)
+    batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
+except (DataError, ValueError, FileNotFoundError, ImportError, NotImplementedError, OSError) as e:
+    fail(e)
+config = model.config
+aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
+total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
+if master:
+    print(
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {len(dataset)} samples ({dropped} dropped: "
+        f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
+        flush=True,
+    )
+
+# ----------------------------------------------------------------------------- parallelize
+# Order matters: activation checkpointing first (it wraps each layer's forward), then FSDP2 per
+# decoder layer and at the root. Expert weights are already sharded by EP: FSDP must not touch them.
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+experts = set(expert_parameters(model))
+if activation_checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh.world, mp_policy=mp_policy, ignored_params=experts)
+fully_shard(model, mesh=mesh.world, mp_policy=mp_policy, ignored_params=experts)
+model.train()
+
+# ----------------------------------------------------------------------------- optimizer and schedule
+# Two parameter groups: dense (FSDP's mesh) and experts (the (dp, ep) mesh); foreach kernels
+# cannot mix DTensors of different meshes in one call.
+dense_params = [p for p in model.parameters() if p not in experts]
+optimizer = torch.optim.AdamW(
+    [{"params": dense_params}, {"params": list(experts)}], lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.95)
+)
+scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+
+n_active = active_params(model, config, list(experts))
+peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
+world_group = mesh.world.get_group()
+
+# ----------------------------------------------------------------------------- train
+if master:
+    if os.path.isdir(output_dir) and overwrite_output_dir:
+        for name in ("metrics.jsonl", "summary.json", "final"):
+            path = os.path.join(output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "settings.json"), "w") as f:
+        json.dump(settings, f, indent=1)
+    metrics = JsonlWriter(metrics_path)
+    from tqdm import tqdm
+
+    progress = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+dist.barrier()
+
+run_start = time.perf_counter()
+total_tokens_seen = 0
+for step in range(total_steps):
+    step_start = time.perf_counter()
+    micro_batches, step_label_tokens = batches.micro_batches(step)
+    # Per-step accumulators: [ce sum, aux, real tokens, padded token slots] (summed over ranks below).
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    tokens_per_expert = 0
+    for i, indices in enumerate(micro_batches):
+        # Gradients are reduced once, on the last micro-step, not after every micro-batch.
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        stats = router_stats(model, batch["attention_mask"], world_group)
+        ce_sum = causal_lm_loss_sum(out.logits, batch["labels"])
+        # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
+        loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
+        loss.backward()
+        sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
+                             batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double()])
+        tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
+    sync_expert_grads(model, mesh)
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+    if not math.isfinite(float(grad_norm)):
+        fail(f"step {step + 1}: gradient norm is {float(grad_norm)}; lower learning_rate or check the data")
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(sums, group=world_group)
+    step_time = time.perf_counter() - step_start
+    ce_loss, aux_loss, real_tokens, slots = (float(x) for x in sums)
+    ce_loss /= step_label_tokens
+    total_tokens_seen += real_tokens
+    seq_len = slots / (batches.per_step)
+    flops = flops_per_token(n_active, config, seq_len) * slots
+    record = {
+        "step": step + 1,
+        "loss": ce_loss + aux_coef * aux_loss,
+        "ce_loss": ce_loss,
+        "aux_loss": aux_loss,
+        "lr": scheduler.get_last_lr()[0],
+        "grad_norm": float(grad_norm),
+        "tokens": int(real_tokens),
+        "tokens_per_second": real_tokens / step_time,
+        "tokens_per_second_per_device": real_tokens / step_time / world_size,
+        "tflops_per_device": flops / step_time / world_size / 1e12,
+        "mfu": flops / step_time / world_size / peak_flops if peak_flops else None,
+        "step_time_s": step_time,
+        **peak_memory_gb(device),
+        "tokens_per_expert_max": tokens_per_expert.max(dim=1).values.tolist(),
+        "tokens_per_expert_mean": tokens_per_expert.mean(dim=1).tolist(),
+        "tokens_per_expert": tokens_per_expert.long().tolist(),
+    }
+    if master:
+        metrics.write(record)
+        progress.update(1)
+        if (step + 1) % logging_steps == 0:
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}")
+runtime = time.perf_counter() - run_start
+
+# ----------------------------------------------------------------------------- summary and export
+memory = peak_memory_gb(device)
+memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
+dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
+summary = {
+    "train_runtime": runtime,
+    "train_steps_per_second": total_steps / runtime,
+    "train_tokens_per_second": total_tokens_seen / runtime,
+    "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
+    **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
+    "final_loss": record["loss"],
+    "world_size": world_size,
+    "dp": mesh.dp_size,
+    "ep": mesh.ep_size,
+}
+export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
+if master:
+    progress.close()
+    metrics.close()
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
+    print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
+dist.destroy_process_group()
