@@ -72,3 +72,29 @@ def run_ranks(fn, world_size: int, *args):
 @pytest.fixture
 def tmp_dir(tmp_path):
     return str(tmp_path)
+
+
+def run_script(script: str, nproc: int, *args: str, timeout: int = 300):
+    """Launch a training script with torchrun on ``nproc`` CPU ranks; returns the CompletedProcess."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The embedded default model, made once per test session the way the scripts make it."""
+    from megablocks_utils.tiny_model import make_tiny_mixtral
+
+    path = str(tmp_path_factory.mktemp("models") / "tiny-mixtral")
+    make_tiny_mixtral(path, os.path.join(ROOT, "data.json"))
+    return path
+
+
+def read_jsonl(path: str) -> list[dict]:
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f]

@@ -1,0 +1,133 @@
+"""Each rank loads exactly its own experts from sharded safetensors, in hub and fused layouts."""
+
+import json
+import os
+import re
+from unittest import mock
+
+import pytest
+import torch
+from conftest import run_ranks, tiny_mixtral_config
+
+from megablocks_utils import load_model
+from megablocks_utils.export import hub_state_dict, write_shards
+from megablocks_utils.loading import Checkpoint
+from megablocks_utils.mesh import check_ep_size
+
+EXPERT_NAME = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.(w\d)\.weight$")
+
+
+def write_checkpoint(path: str, layout: str) -> None:
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(3)
+    model = MixtralForCausalLM(tiny_mixtral_config())
+    # transformers' own state dict is the fused layout (its save_pretrained converts back to hub names)
+    tensors = model.state_dict() if layout == "fused" else hub_state_dict(model)
+    names = sorted(tensors)
+    os.makedirs(path)
+    write_shards(path, [{n: tensors[n] for n in names[i::3]} for i in range(3)])
+    model.config.save_pretrained(path)
+
+
+def check_local_experts(rank, world, ep_size, path, layout):
+    from transformers import AutoModelForCausalLM
+
+    reads = []
+    get, get_rows = Checkpoint.get, Checkpoint.get_rows
+
+    def spy_get(self, name):
+        reads.append((name, None))
+        return get(self, name)
+
+    def spy_get_rows(self, name, start, stop):
+        reads.append((name, (start, stop)))
+        return get_rows(self, name, start, stop)
+
+    with mock.patch.object(Checkpoint, "get", spy_get), mock.patch.object(Checkpoint, "get_rows", spy_get_rows):
+        model, mesh = load_model(path, ep_size, device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    local = 4 // ep_size
+    mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
+
+    expert_reads = [(n, rows) for n, rows in reads if "experts" in n]
+    assert expert_reads, "no expert tensor was read"
+    for name, rows in expert_reads:
+        if layout == "hub":
+            assert rows is None and int(EXPERT_NAME.search(name).group(2)) in mine, f"rank {rank} read {name}"
+        else:
+            assert rows == (mine.start, mine.stop), f"rank {rank} read rows {rows} of {name}"
+    per_expert = 3 if layout == "hub" else 2 / local  # w1, w2, w3 each; or 2 fused slices per layer
+    assert len(expert_reads) == 2 * local * per_expert  # 2 layers; every local tensor read exactly once
+
+    for i, layer in enumerate(model.model.layers):
+        ref = reference.model.layers[i].mlp
+        got = layer.mlp.experts
+        assert got.gate_up_proj.to_local().shape[0] == local
+        torch.testing.assert_close(got.gate_up_proj.to_local(), ref.experts.gate_up_proj[mine.start : mine.stop], rtol=0, atol=0)
+        torch.testing.assert_close(got.down_proj.to_local(), ref.experts.down_proj[mine.start : mine.stop], rtol=0, atol=0)
+        torch.testing.assert_close(layer.mlp.gate.weight, ref.gate.weight, rtol=0, atol=0)
+    ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_each_rank_reads_only_its_experts(tmp_path, layout):
+    path = str(tmp_path / layout)
+    write_checkpoint(path, layout)
+    files = set(json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"].values())
+    assert len(files) >= 2, "the test checkpoint must span several files"
+    if layout == "hub":
+        index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+        w1 = index["model.layers.0.block_sparse_moe.experts.1.w1.weight"]
+        w3 = index["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
+        assert w1 != w3, "one expert's w1 and w3 should sit in different files"
+    run_ranks(check_local_experts, 2, 2, path, layout)
+
+
+def test_ep1_loads_all_experts(tmp_path):
+    path = str(tmp_path / "hub")
+    write_checkpoint(path, "hub")
+    run_ranks(check_local_experts, 1, 1, path, "hub")
+
+
+def test_ep_size_errors_name_the_valid_choices():
+    with pytest.raises(ValueError, match=r"num_local_experts=8 is not divisible by ep_size=3; choose ep_size in \[1, 2\]"):
+        check_ep_size(3, 6, 8)
+    with pytest.raises(ValueError, match=r"world_size=2 is not divisible by ep_size=4; choose ep_size in \[1, 2\]"):
+        check_ep_size(4, 2, 8)
+
+
+def test_missing_index_or_shard_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json or model.safetensors"):
+        Checkpoint(str(tmp_path))
+    path = str(tmp_path / "hub")
+    write_checkpoint(path, "hub")
+    os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003.safetensors"):
+        Checkpoint(path)
+
+
+def check_no_moe_blocks(rank, world):
+    from transformers import MixtralForCausalLM
+
+    from megablocks_utils import shard_moe
+
+    model = MixtralForCausalLM(tiny_mixtral_config())
+    for layer in model.model.layers:
+        layer.mlp = torch.nn.Identity()
+    with pytest.raises(ValueError, match="has no MoE blocks"):
+        shard_moe(model, 1, device="cpu")
+
+
+def test_model_without_moe_blocks_is_a_clear_error():
+    run_ranks(check_no_moe_blocks, 1)
+
+
+def test_unsupported_architecture_lists_supported():
+    from transformers import LlamaConfig
+
+    from megablocks_utils import spec_for
+
+    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['mixtral'\]"):
+        spec_for(LlamaConfig())
