@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -38,6 +39,9 @@ seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
 activation_checkpointing = False  # recompute decoder layers in backward (non-reentrant); on for big models
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
+save_steps = 0  # write a sharded checkpoint (DCP) every N steps to output_dir/checkpoints; 0 = off
+save_total_limit = 2  # keep only the newest N checkpoints
+resume = ""  # "auto" = the newest complete checkpoint in output_dir/checkpoints, or a checkpoint dir
 logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step)
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 # -----------------------------------------------------------------------------
@@ -50,6 +54,7 @@ from megablocks_utils import (  # noqa: E402  (settings first, so they read like
     router_stats,
     sync_expert_grads,
 )
+from megablocks_utils.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint  # noqa: E402
 from megablocks_utils.data import DataError, GlobalBatches, build_dataset, collate  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
@@ -90,8 +95,16 @@ if compute_dtype is None:
 
 # ----------------------------------------------------------------------------- output dir
 metrics_path = os.path.join(output_dir, "metrics.jsonl")
-if os.path.exists(metrics_path) and not overwrite_output_dir:
-    fail(f"{output_dir} already holds a run's results; choose another output_dir or pass --overwrite_output_dir true")
+checkpoint_root = os.path.join(output_dir, "checkpoints")
+if os.path.exists(metrics_path) and not (overwrite_output_dir or resume):
+    fail(
+        f"{output_dir} already holds a run's results; choose another output_dir, pass --resume auto to "
+        "continue it, or --overwrite_output_dir true"
+    )
+try:
+    resume_from = resolve_resume(resume, checkpoint_root)
+except CheckpointError as e:
+    fail(e)
 
 # ----------------------------------------------------------------------------- model and data
 if model_name_or_path == "tiny-mixtral" and not os.path.isdir(model_name_or_path):
@@ -143,28 +156,58 @@ optimizer = torch.optim.AdamW(
 )
 scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
+start_step = 0
+if resume_from:
+    try:
+        restored = load_checkpoint(resume_from, model, optimizer, scheduler)
+    except CheckpointError as e:
+        fail(e)
+    start_step = restored["step"]
+    if master:
+        print(f"resumed from {resume_from} at step {start_step} (written by {restored['world_size']} ranks)", flush=True)
+        if restored["samples_per_step"] != batches.per_step:
+            print(f"warning: the checkpoint's run used {restored['samples_per_step']} samples per step, this one "
+                  f"{batches.per_step}: the data order after resume differs from the original run", flush=True)
+
+
+def checkpoint(step):
+    save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
+                    {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
+
+
+# Schedulers send SIGTERM before preemption: finish the step, save, exit 0. Ranks agree on
+# stopping at each step's end (a signal can reach them at different moments).
+stop_requested = torch.zeros(1, device=device)
+signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
+
 n_active = active_params(model, config, list(experts))
 peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
 world_group = mesh.world.get_group()
 
 # ----------------------------------------------------------------------------- train
 if master:
-    if os.path.isdir(output_dir) and overwrite_output_dir:
-        for name in ("metrics.jsonl", "summary.json", "final"):
+    if os.path.isdir(output_dir) and overwrite_output_dir and not resume_from:
+        for name in ("metrics.jsonl", "summary.json", "final", "checkpoints"):
             path = os.path.join(output_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
     os.makedirs(output_dir, exist_ok=True)
+    if os.path.exists(metrics_path):  # keep the records up to the resumed step, drop any later ones
+        with open(metrics_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
     with open(os.path.join(output_dir, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
     metrics = JsonlWriter(metrics_path)
     from tqdm import tqdm
 
-    progress = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+    progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 dist.barrier()
 
 run_start = time.perf_counter()
 total_tokens_seen = 0
-for step in range(total_steps):
+record = None
+for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
     # Per-step accumulators: [ce sum, aux, real tokens, padded token slots] (summed over ranks below).
@@ -220,6 +263,18 @@ for step in range(total_steps):
         progress.update(1)
         if (step + 1) % logging_steps == 0:
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}")
+    if save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps):
+        checkpoint(step + 1)
+    dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)
+    if stop_requested.item() and step + 1 < total_steps:
+        if save_steps <= 0 or (step + 1) % save_steps != 0:
+            checkpoint(step + 1)
+        if master:
+            progress.close()
+            print(f"SIGTERM: saved {os.path.join(checkpoint_root, 'step_%08d' % (step + 1))}; "
+                  "continue with --resume auto", flush=True)
+        dist.destroy_process_group()
+        sys.exit(0)
 runtime = time.perf_counter() - run_start
 
 # ----------------------------------------------------------------------------- summary and export
@@ -228,11 +283,11 @@ memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=dev
 dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
 summary = {
     "train_runtime": runtime,
-    "train_steps_per_second": total_steps / runtime,
+    "train_steps_per_second": (total_steps - start_step) / runtime,
     "train_tokens_per_second": total_tokens_seen / runtime,
     "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
     **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
-    "final_loss": record["loss"],
+    "final_loss": record["loss"] if record else None,
     "world_size": world_size,
     "dp": mesh.dp_size,
     "ep": mesh.ep_size,

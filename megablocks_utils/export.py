@@ -163,3 +163,85 @@ def _expert_numel(model: nn.Module, spec: MoESpec) -> int:
         for b in model.modules()
         if isinstance(b, ExpertParallelMoE)
     )
+
+
+def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype | None = None) -> None:
+    """Turn a DCP training checkpoint into a hub-layout HF checkpoint; no process group needed.
+
+    Reads the dense weights at once and the experts one layer at a time (only that layer's experts
+    are ever in memory), on the CPU.
+    """
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .checkpoint import STATE_NAME, CheckpointError
+
+    if not os.path.isfile(os.path.join(checkpoint_dir, STATE_NAME)):
+        raise CheckpointError(f"{checkpoint_dir} is not a complete training checkpoint (no {STATE_NAME})")
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    spec = spec_for(config)
+    try:
+        metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"cannot read the DCP metadata of {checkpoint_dir} ({e}); the checkpoint is incomplete") from e
+    prefix = "model."
+    shapes = {k[len(prefix):]: m for k, m in metadata.items() if k.startswith(prefix) and hasattr(m, "size")}
+    expert_suffix = f".{spec.block_attr}.{spec.experts_attr}."
+
+    def read(names):
+        target = {n: torch.empty(shapes[n].size, dtype=shapes[n].properties.dtype) for n in names}
+        try:
+            dcp.load({"model": target}, checkpoint_id=checkpoint_dir, no_dist=True)
+        except Exception as e:
+            raise CheckpointError(f"the checkpoint {checkpoint_dir} is corrupt or truncated ({type(e).__name__}: {e})") from e
+        return {n: t.to(dtype) if dtype is not None else t for n, t in target.items()}
+
+    tmp_dir = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    layers = sorted({int(n.split(".")[2]) for n in shapes if expert_suffix in n})
+    n_files = 1 + len(layers)
+    dense = read([n for n in shapes if expert_suffix not in n])
+    dense = {dense_hub_name(n, spec): t for n, t in dense.items()}
+    save_file(dense, os.path.join(tmp_dir, shard_file_name(0, n_files)), metadata={"format": "pt"})
+    weight_map = {n: shard_file_name(0, n_files) for n in dense}
+    total = sum(t.numel() * t.element_size() for t in dense.values())
+    for i, layer in enumerate(layers):
+        base = f"model.layers.{layer}{expert_suffix}"
+        fused = read([base + "gate_up_proj", base + "down_proj"])
+        tensors = expert_hub_tensors(spec, layer, 0, fused[base + "gate_up_proj"], fused[base + "down_proj"])
+        save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + i, n_files)), metadata={"format": "pt"})
+        weight_map.update({n: shard_file_name(1 + i, n_files) for n in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    write_index(tmp_dir, weight_map, total)
+    config.save_pretrained(tmp_dir)
+    if os.path.isfile(os.path.join(checkpoint_dir, "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(checkpoint_dir).save_pretrained(tmp_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m megablocks_utils.export",
+        description="Export a training checkpoint (output_dir/checkpoints/step_XXXXXXXX) as a Hugging Face model in hub layout.",
+    )
+    parser.add_argument("checkpoint", help="a step_XXXXXXXX checkpoint directory")
+    parser.add_argument("out", help="where to write the HF model")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as trained)")
+    args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
+
+    try:
+        export_from_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
