@@ -139,3 +139,27 @@ def collate(samples: list[dict], pad_token_id: int, device) -> dict:
         labels[i, :n] = torch.tensor(s["labels"])
         mask[i, :n] = 1
     return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+class RankBatchSampler:
+    """This rank's micro-batches of one epoch in training order, as a DataLoader ``batch_sampler``.
+
+    For HF Trainer, which iterates its DataLoader once per epoch and calls ``set_epoch``: epoch e
+    yields the micro-batches of optimizer steps [e * steps_per_epoch, (e + 1) * steps_per_epoch), the
+    same samples ``GlobalBatches.micro_batches`` gives the plain training loop at those steps.
+    """
+
+    def __init__(self, batches: GlobalBatches):
+        self.batches = batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.batches.steps_per_epoch * self.batches.grad_accum
+
+    def __iter__(self):
+        first = self.epoch * self.batches.steps_per_epoch
+        for step in range(first, first + self.batches.steps_per_epoch):
+            yield from self.batches.micro_batches(step)[0]

@@ -37,24 +37,38 @@ def _mesh_key(grad: torch.Tensor):
     return None
 
 
-def clip_grad_norm_(parameters, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters, max_norm: float, foreach: bool | None = None, *, sharded_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip all gradients by their true global 2-norm and return it (a plain tensor).
 
     ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP's 1-D mesh and
     the experts' (dp, ep) mesh). Here each group of gradients with the same mesh and placements gets
     its norm from ``get_total_norm`` (DTensor reduces it correctly over its own mesh), and the groups'
-    norms are combined. Plain tensors are taken as replicated.
+    norms are combined. Plain tensors are taken as replicated, unless ``sharded_group`` is given: then
+    they are disjoint shards over that group (FSDP1's flat parameters, which are plain tensors) and
+    their squared norms are summed over it. Collective: with ``sharded_group``, call it on every rank.
     """
     groups = defaultdict(list)
+    if sharded_group is not None:
+        groups[None] = []  # every rank joins the all-reduce below, even one without plain gradients
     for p in parameters:
         if p.grad is not None:
             groups[_mesh_key(p.grad)].append(p.grad)
     if not groups:
         return torch.tensor(0.0)
     norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    for key, grads in groups.items():
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm.to(torch.float32)
+        else:
+            norm = torch.zeros((), device=_any_grad_device(groups))
+        if key is None and sharded_group is not None:
+            squared = norm.square()
+            dist.all_reduce(squared, group=sharded_group)
+            norm = squared.sqrt()
+        norms.append(norm)
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]))
     if max_norm > 0:
@@ -64,3 +78,11 @@ def clip_grad_norm_(parameters, max_norm: float, foreach: bool | None = None) ->
                 local = g.to_local() if isinstance(g, DTensor) else g
                 local.mul_(clip_coef.to(local.device, local.dtype))
     return total
+
+
+def _any_grad_device(groups: dict) -> torch.device:
+    """A device for a rank's zero norm: that of its other gradients, else the current accelerator."""
+    for grads in groups.values():
+        if grads:
+            return grads[0].device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

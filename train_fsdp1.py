@@ -1,0 +1,380 @@
+"""Fine-tune a Mixture-of-Experts model with HF Trainer: FSDP1 (through accelerate) on the dense weights,
+expert parallelism on the experts.
+
+    accelerate launch --num_processes 2 --config_file accelerate.yaml train_fsdp1.py \\
+        --accelerator_config accelerator_config.json            # the embedded tiny Mixtral, CPU or GPU
+
+Edit the settings below or override any of them on the command line (--name value); every
+TrainingArguments flag works too (--bf16 true, --activation_checkpointing true, --save_steps 100, ...).
+Same model code, data order and loss as train_fsdp2.py, so both give the same loss at every step.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- settings
+model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
+data_path = "data.json"  # alpaca-format JSON list of {instruction, input, output}
+overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
+ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
+moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
+max_length = 256  # tokens per sample; longer samples are truncated
+router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
+peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
+# TrainingArguments defaults of this script (the same run as train_fsdp2.py's defaults); any
+# TrainingArguments flag on the command line overrides them.
+trainer_defaults = dict(
+    output_dir="output/fsdp1",  # metrics.jsonl, summary.json, checkpoint-*/ and the final HF model (final/)
+    per_device_train_batch_size=4,  # samples per rank per micro-step
+    gradient_accumulation_steps=2,  # micro-steps per optimizer step
+    learning_rate=2e-3,  # peak learning rate (the tiny model trains from scratch; ~1e-5 for Mixtral)
+    lr_scheduler_type="cosine",
+    warmup_steps=5,
+    weight_decay=0.0,
+    adam_beta2=0.95,
+    optim="adamw_torch",  # torch AdamW (foreach), as train_fsdp2.py
+    max_grad_norm=1.0,  # global-norm clipping over dense and expert gradients (done by this script, see below)
+    max_steps=40,  # optimizer steps; -1 = num_train_epochs over the data
+    seed=42,  # data order
+    logging_steps=1,
+    save_strategy="no",  # "steps" with --save_steps N for resumable Trainer checkpoints
+    report_to="none",
+)
+# -----------------------------------------------------------------------------
+
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from megablocks_utils import (  # noqa: E402  (settings first, so they read like a config file)
+    causal_lm_loss_sum,
+    clip_grad_norm_,
+    count_label_tokens,
+    expert_parameters,
+    load_model,
+    moe_blocks,
+    router_stats,
+    sync_expert_grads,
+)
+from megablocks_utils.data import DataError, GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
+from megablocks_utils.fsdp1 import (  # noqa: E402
+    export_hf_fsdp1,
+    fsdp_on_cpu,
+    fsdp_requested,
+    grad_shard_group,
+    init_optimizer_state,
+    weight_checksums,
+)
+from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
+from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
+
+settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+training_flags = {f.lstrip("-") for action in HfArgumentParser(TrainingArguments)._actions for f in action.option_strings}
+
+
+def fail(message) -> None:
+    """Stop every rank with one clear message (printed by rank 0), without a traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
+
+
+try:
+    trainer_argv = apply_overrides(settings, known_extra=training_flags)
+except SettingsError as e:
+    fail(e)
+globals().update(settings)
+
+# ----------------------------------------------------------------------------- launch and process group
+# accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
+# else (python, torchrun, a config without FSDP) would train without FSDP: stop instead.
+if not fsdp_requested() or "LOCAL_RANK" not in os.environ:
+    fail(
+        "launch with accelerate and the FSDP config, e.g. `accelerate launch --num_processes 2 "
+        "--config_file accelerate.yaml train_fsdp1.py --accelerator_config accelerator_config.json`"
+    )
+use_cuda = torch.cuda.is_available()
+defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]
+if not use_cuda:
+    # Without --use_cpu accelerate brings CPU processes up as DistributedType.NO: no process group,
+    # every rank training alone. With it they join one gloo group (and fsdp_on_cpu makes it FSDP below).
+    defaults.append("--use_cpu=true")
+    # accelerate would name each process's device "cpu:0", which FSDP1 rejects for parameters on "cpu";
+    # ACCELERATE_TORCH_DEVICE is accelerate's own setting for the process device.
+    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+(args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=defaults + trainer_argv)
+device = args.device  # sets up accelerate's process state and the process group
+if not dist.is_initialized():
+    fail("accelerate did not start a process group; launch with `accelerate launch --num_processes N --config_file accelerate.yaml`")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+master = rank == 0
+ep = ep_size or world_size
+# Trainer's own clipping cannot see the expert shards (FSDP1's clip_grad_norm_ counts DTensor experts as
+# local plain tensors): it is switched off and this script clips by the true global norm before each
+# optimizer step (MoETrainer.create_optimizer). --max_grad_norm keeps its meaning.
+max_grad_norm, args.max_grad_norm = args.max_grad_norm, 0.0
+if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
+    fail("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
+if args.world_size != world_size:
+    fail(f"accelerate sees {args.world_size} processes but the process group has {world_size}")
+
+# ----------------------------------------------------------------------------- output dir
+metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+resume = args.resume_from_checkpoint
+if resume is not None and resume.lower() in ("true", "last"):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    if resume is None:
+        fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {args.output_dir} holds no checkpoint-* directory")
+if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+    fail(f"--resume_from_checkpoint {resume}: not a Trainer checkpoint (no trainer_state.json)")
+if os.path.exists(metrics_path) and not overwrite_output_dir and resume is None:
+    fail(f"{args.output_dir} already holds a run's results; choose another output_dir, resume with "
+         "--resume_from_checkpoint, or pass --overwrite_output_dir true")
+
+# ----------------------------------------------------------------------------- model and data
+if model_name_or_path == "tiny-mixtral" and not os.path.isdir(model_name_or_path):
+    if master:  # the embedded default: made once, locally, deterministically
+        from megablocks_utils.tiny_model import make_tiny_mixtral
+
+        print("creating the embedded tiny Mixtral in ./tiny-mixtral", flush=True)
+        make_tiny_mixtral(model_name_or_path, data_path)
+    dist.barrier()
+try:
+    from transformers import AutoConfig, AutoTokenizer
+
+    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    dataset, dropped = build_dataset(data_path, tokenizer, max_length)
+    batches = GlobalBatches(
+        dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
+    )
+except (DataError, ValueError, FileNotFoundError, ImportError, NotImplementedError, OSError) as e:
+    fail(e)
+config = model.config
+aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
+total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
+experts = expert_parameters(model)
+dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e in experts))
+n_active = active_params(model, config, experts)
+peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
+world_group = mesh.world.get_group()
+if master:
+    print(
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {len(dataset)} samples ({dropped} dropped: "
+        f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
+        flush=True,
+    )
+
+
+# ----------------------------------------------------------------------------- the Trainer
+class StepMetrics(TrainerCallback):
+    """Per-step sums filled by the loss, reduced over ranks and written to metrics.jsonl at each step's end."""
+
+    def __init__(self):
+        self.writer = None
+        self.grad_norm = float("nan")
+        self.total_tokens = 0.0
+        self.record = {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+        # [ce sum, aux, real tokens, padded token slots] and [layer, expert] top-k counts, summed over ranks below.
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.tokens_per_expert = 0
+
+    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        dist.all_reduce(self.sums, group=world_group)
+        step_time = time.perf_counter() - self.start
+        ce_sum, aux_loss, real_tokens, slots = (float(x) for x in self.sums)
+        ce_loss = ce_sum / self.label_tokens
+        self.total_tokens += real_tokens
+        flops = flops_per_token(n_active, config, slots / batches.per_step) * slots
+        self.record = {
+            "step": state.global_step,
+            "loss": ce_loss + aux_coef * aux_loss,
+            "ce_loss": ce_loss,
+            "aux_loss": aux_loss,
+            "lr": lr_scheduler.get_last_lr()[0],
+            "grad_norm": self.grad_norm,
+            "tokens": int(real_tokens),
+            "tokens_per_second": real_tokens / step_time,
+            "tokens_per_second_per_device": real_tokens / step_time / world_size,
+            "tflops_per_device": flops / step_time / world_size / 1e12,
+            "mfu": flops / step_time / world_size / peak_flops if peak_flops else None,
+            "step_time_s": step_time,
+            **peak_memory_gb(device),
+            "tokens_per_expert_max": self.tokens_per_expert.max(dim=1).values.tolist(),
+            "tokens_per_expert_mean": self.tokens_per_expert.mean(dim=1).tolist(),
+            "tokens_per_expert": self.tokens_per_expert.long().tolist(),
+        }
+        if self.writer is not None:
+            self.writer.write(self.record)
+
+
+class NonFiniteGradNorm(RuntimeError):
+    pass
+
+
+class MoETrainer(Trainer):
+    """Trainer with the suite's loss, data order and clipping; everything else is stock Trainer + accelerate FSDP1."""
+
+    # compute_loss returns each rank's share of the global mean over the whole optimizer step (see below).
+    loss_is_scaled_for_ga = True
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        # On a CPU-only machine accelerate does not select FSDP: put its state on the FSDP1 path
+        # (megablocks_utils/fsdp1.py), so wrapping and checkpoints take the same code as on GPUs.
+        self.fsdp_made_on_cpu = fsdp_on_cpu(self.accelerator)
+        if self.fsdp_made_on_cpu:
+            self.is_fsdp_enabled = True
+
+    def get_train_dataloader(self):
+        """This rank's micro-batches from GlobalBatches, exactly as train_fsdp2.py feeds them.
+
+        Not passed through accelerator.prepare: the sampler is already per rank, and accelerate
+        would shard it again.
+        """
+
+        class EpochDataLoader(torch.utils.data.DataLoader):
+            def set_epoch(self, epoch):  # Trainer calls it at each epoch; the sampler picks that epoch's steps
+                self.batch_sampler.set_epoch(epoch)
+
+        return EpochDataLoader(
+            dataset,
+            batch_sampler=RankBatchSampler(batches),
+            collate_fn=lambda samples: collate(samples, tokenizer.pad_token_id, "cpu"),
+        )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """One optimizer step's micro-batches and the step's label-token count over all ranks (the loss denominator)."""
+        samples = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
+        tokens = torch.tensor(sum(count_label_tokens(b["labels"]) for b in samples), dtype=torch.float64, device=device)
+        dist.all_reduce(tokens, group=world_group)
+        step_metrics.label_tokens = float(tokens)
+        return samples, tokens
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        stats = router_stats(model, inputs["attention_mask"], world_group)
+        ce_sum = causal_lm_loss_sum(out.logits, inputs["labels"])
+        micro_steps = self.current_gradient_accumulation_steps
+        # Each rank's loss is world_size x its share of the global mean (FSDP averages dense gradients over
+        # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
+        # over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
+        loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
+        mask = inputs["attention_mask"]
+        step_metrics.sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (micro_steps * world_size),
+                                          mask.sum().double(), torch.tensor(mask.numel(), device=mask.device).double()])
+        step_metrics.tokens_per_expert = step_metrics.tokens_per_expert + stats.tokens_per_expert
+        return (loss, out) if return_outputs else loss
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if not getattr(self, "sync_and_clip_hooked", False):
+            if resume is not None:  # see init_optimizer_state: without it the checkpoint's optimizer state is not loaded
+                init_optimizer_state(optimizer)
+            optimizer.register_step_pre_hook(self.sync_and_clip)
+            self.sync_and_clip_hooked = True
+        return optimizer
+
+    def sync_and_clip(self, optimizer, hook_args, hook_kwargs):
+        """Right before each optimizer step, on every rank: expert gradients averaged over dp, then the
+        true global-norm clip over FSDP1's flat shards (summed over its group) and the expert DTensors."""
+        sync_expert_grads(self.model, mesh)
+        norm = float(clip_grad_norm_(self.model.parameters(), max_grad_norm, sharded_group=grad_shard_group(self.model)))
+        if not math.isfinite(norm):
+            raise NonFiniteGradNorm(f"step {self.state.global_step + 1}: gradient norm is {norm}; lower learning_rate or check the data")
+        step_metrics.grad_norm = norm
+
+    def log(self, logs, start_time=None):
+        if "grad_norm" in logs:  # Trainer's own norm misses the expert shards; report ours
+            logs["grad_norm"] = step_metrics.grad_norm
+        if "loss" in logs and "aux_loss" in step_metrics.record:
+            logs["aux_loss"] = step_metrics.record["aux_loss"]
+        super().log(logs, start_time)
+
+
+step_metrics = StepMetrics()
+trainer = MoETrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics])
+
+# ----------------------------------------------------------------------------- parallelize
+# FSDP1 comes from accelerate (accelerate.yaml: transformer-based wrap per decoder layer, full shard);
+# the expert modules are its ignored_modules, so it never flattens or shards the expert DTensors.
+plugin = trainer.accelerator.state.fsdp_plugin
+if not trainer.is_fsdp_enabled or plugin is None or plugin.fsdp_version != 1:
+    fail("accelerate did not set up FSDP1; launch with --config_file accelerate.yaml (distributed_type: FSDP, fsdp_version: 1)")
+if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+    fail("accelerate.yaml must set fsdp_state_dict_type: SHARDED_STATE_DICT (a full state dict would gather every expert on rank 0)")
+plugin.ignored_modules = [block.experts for block in moe_blocks(model)]
+if master:
+    print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
+
+# ----------------------------------------------------------------------------- train
+if master:
+    if os.path.isdir(args.output_dir) and overwrite_output_dir and resume is None:
+        for name in ("metrics.jsonl", "summary.json", "final"):
+            path = os.path.join(args.output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
+    os.makedirs(args.output_dir, exist_ok=True)
+    if resume is not None and os.path.exists(metrics_path):  # keep the records up to the checkpoint's step
+        resumed_step = json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"]
+        with open(metrics_path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= resumed_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    with open(os.path.join(args.output_dir, "settings.json"), "w") as f:
+        json.dump({**settings, "training_args": args.to_dict(), "max_grad_norm": max_grad_norm}, f, indent=1, default=str)
+    step_metrics.writer = JsonlWriter(metrics_path)
+dist.barrier()
+
+try:
+    result = trainer.train(resume_from_checkpoint=resume)
+except NonFiniteGradNorm as e:
+    fail(e)
+wrapped = trainer.model_wrapped
+flat_local = sum(p.numel() for p in wrapped.parameters() if not any(p is e for e in experts))
+
+# ----------------------------------------------------------------------------- summary and export
+memory = peak_memory_gb(device)
+memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
+dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
+local_all = torch.tensor([flat_local], dtype=torch.float64, device=device)
+dist.all_reduce(local_all, op=dist.ReduceOp.MAX)
+runtime = result.metrics["train_runtime"]
+steps_run = result.global_step - (0 if resume is None else json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"])
+checksums = weight_checksums(wrapped, mesh)
+summary = {
+    "train_runtime": runtime,
+    "train_steps_per_second": steps_run / runtime,
+    "train_tokens_per_second": step_metrics.total_tokens / runtime,
+    "train_tokens_per_second_per_device": step_metrics.total_tokens / runtime / world_size,
+    **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
+    "final_loss": step_metrics.record.get("loss"),
+    "world_size": world_size,
+    "dp": mesh.dp_size,
+    "ep": mesh.ep_size,
+    "distributed_type": str(trainer.accelerator.distributed_type),
+    "fsdp_wrapped_modules": sum(1 for m in wrapped.modules() if type(m).__name__ == "FullyShardedDataParallel"),
+    "dense_numel_full": dense_numel,
+    "dense_numel_local_max": int(local_all),  # the largest shard any rank holds
+    **checksums,
+}
+export_hf_fsdp1(wrapped, mesh, os.path.join(args.output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
+if master:
+    step_metrics.writer.close()
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    shown = {k: v for k, v in summary.items() if not isinstance(v, list)}
+    print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()), flush=True)
+    print(f"saved the model in hub layout to {os.path.join(args.output_dir, 'final')}", flush=True)
+dist.destroy_process_group()
