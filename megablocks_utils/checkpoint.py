@@ -33,6 +33,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with what to do about it."""
 
 
+def describe_failure(e: BaseException) -> str:
+    """The first underlying error of a DCP failure (CheckpointException wraps one per rank)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))
+        if isinstance(e, tuple):  # (exception, traceback frames)
+            e = e[0]
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -106,9 +117,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     target = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(target, checkpoint_id=path)
-    except Exception as e:  # DCP raises CheckpointException or lower-level errors for bad files
+    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointError(
-            f"the checkpoint {path} is corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+            f"the checkpoint {path} is corrupt or truncated ({describe_failure(e)}); "
             "resume from an earlier checkpoint or delete this one"
         ) from e
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])

@@ -174,7 +174,7 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoTokenizer
 
-    from .checkpoint import STATE_NAME, CheckpointError
+    from .checkpoint import STATE_NAME, CheckpointError, describe_failure
 
     if not os.path.isfile(os.path.join(checkpoint_dir, STATE_NAME)):
         raise CheckpointError(f"{checkpoint_dir} is not a complete training checkpoint (no {STATE_NAME})")
@@ -192,8 +192,8 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
         target = {n: torch.empty(shapes[n].size, dtype=shapes[n].properties.dtype) for n in names}
         try:
             dcp.load({"model": target}, checkpoint_id=checkpoint_dir, no_dist=True)
-        except Exception as e:
-            raise CheckpointError(f"the checkpoint {checkpoint_dir} is corrupt or truncated ({type(e).__name__}: {e})") from e
+        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+            raise CheckpointError(f"the checkpoint {checkpoint_dir} is corrupt or truncated ({describe_failure(e)})") from e
         return {n: t.to(dtype) if dtype is not None else t for n, t in target.items()}
 
     tmp_dir = out_dir.rstrip("/") + ".tmp"

@@ -1,0 +1,130 @@
+"""Sharded checkpoints: exact resume after kill -9 (mid-step and mid-save), SIGTERM, resharding, export."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import ROOT, read_jsonl, run_script
+
+COMMON = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3",
+          "--gradient_accumulation_steps", "2", "--warmup_steps", "2"]
+
+
+def launch(tiny_model_dir, out, nproc=2, *args, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train_fsdp2.py",
+           "--model_name_or_path", tiny_model_dir, "--output_dir", out, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def train(tiny_model_dir, out, nproc, *args):
+    result = run_script("train_fsdp2.py", nproc, "--model_name_or_path", tiny_model_dir, "--output_dir", out, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def wait_for(path, proc, timeout=120):
+    start = time.time()
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"the run ended before {path} appeared: {proc.stderr.read()[-2000:]}"
+        assert time.time() - start < timeout, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run: 2 ranks, ep=2, checkpoints at steps 2, 4, 6."""
+    out = str(tmp_path_factory.mktemp("reference") / "run")
+    train(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2")
+    return out
+
+
+def losses(out):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_kill_mid_step_then_resume_is_bit_identical(tiny_model_dir, reference, tmp_path):
+    out = str(tmp_path / "run")
+    proc = launch(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2")
+    wait_for(os.path.join(out, "checkpoints", "step_00000002"), proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not os.path.exists(os.path.join(out, "summary.json")), "the run finished before it was killed"
+    result = train(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2", "--resume", "auto")
+    assert "resumed from" in result.stdout
+    assert losses(out) == losses(reference)  # exact equality: bit-identical on CPU
+
+
+def test_kill_mid_save_leaves_only_a_partial_that_resume_ignores(tiny_model_dir, reference, tmp_path):
+    out = str(tmp_path / "run")
+    proc = launch(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2",
+                  env={"MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP": "4"})
+    proc.wait(timeout=300)
+    assert proc.returncode != 0
+    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert names == ["step_00000002", "step_00000004.tmp"], names
+    result = train(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2", "--resume", "auto")
+    assert "step_00000002 at step 2" in result.stdout
+    assert losses(out) == losses(reference)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
+    out = str(tmp_path / "run")
+    proc = launch(tiny_model_dir, out, 2, "--max_steps", "500")
+    metrics = os.path.join(out, "metrics.jsonl")
+    wait_for(metrics, proc)
+    for child in psutil.Process(proc.pid).children(recursive=True):  # what a scheduler does: signal every task
+        child.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGTERM: saved" in stdout
+    saved = [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_")]
+    assert len(saved) == 1 and not saved[0].endswith(".tmp"), saved
+    assert int(saved[0][5:]) == len(read_jsonl(metrics)) < 500
+
+
+@pytest.mark.parametrize("nproc,ep,micro", [(2, 1, 2), (4, 2, 1), (4, 4, 1)], ids=["dp2-ep1", "dp2-ep2", "dp1-ep4"])
+def test_resume_on_another_mesh(tiny_model_dir, reference, tmp_path, nproc, ep, micro):
+    """A (dp=1, ep=2) checkpoint continues on other splits and world sizes with the same losses."""
+    out = str(tmp_path / "run")
+    ckpt = os.path.join(reference, "checkpoints", "step_00000004")
+    train(tiny_model_dir, out, nproc, *COMMON, "--per_device_train_batch_size", str(micro), "--ep_size", str(ep), "--resume", ckpt)
+    expected = {step: (loss, norm) for step, loss, norm in losses(reference)}
+    got = losses(out)
+    assert [s for s, _, _ in got] == [5, 6]
+    for step, loss, norm in got:
+        assert abs(loss - expected[step][0]) <= 1e-5 * expected[step][0], (step, loss, expected[step])
+        assert abs(norm - expected[step][1]) <= 1e-5 * expected[step][1], (step, norm, expected[step])
+
+
+def test_export_command_matches_the_live_export(reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "hf")
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", os.path.join(reference, "checkpoints", "step_00000006"), out],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    live = AutoModelForCausalLM.from_pretrained(os.path.join(reference, "final"))
+    ids = torch.tensor([[1, 7, 42, 99, 3, 250]])
+    torch.testing.assert_close(exported(ids).logits, live(ids).logits, rtol=0, atol=0)
+
+
+def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, reference, tmp_path):
+    ckpt = str(tmp_path / "step_00000004")
+    shutil.copytree(os.path.join(reference, "checkpoints", "step_00000004"), ckpt)
+    shard = next(os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt)) if n.endswith(".distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(64)  # cut inside the first tensor
+    result = run_script("train_fsdp2.py", 2, "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "run"),
+                        *COMMON, "--per_device_train_batch_size", "2", "--resume", ckpt)
+    assert result.returncode != 0
+    assert "is corrupt or truncated" in result.stderr, result.stderr[-3000:]
+    export = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
+    assert export.returncode == 2 and "corrupt or truncated" in export.stdout, export.stdout + export.stderr[-2000:]
