@@ -9,6 +9,7 @@ TrainingArguments flag works too (--bf16 true, --activation_checkpointing true, 
 Same model code, data order and loss as train_fsdp2.py, so both give the same loss at every step.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -68,13 +69,15 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
     fsdp_requested,
     grad_shard_group,
     init_optimizer_state,
+    sharding_facts,
     weight_checksums,
 )
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
 from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
-training_flags = {f.lstrip("-") for action in HfArgumentParser(TrainingArguments)._actions for f in action.option_strings}
+training_fields = dataclasses.fields(TrainingArguments)
+training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in training_fields}  # --no_x: HfArgumentParser's negation
 
 
 def fail(message) -> None:
@@ -120,6 +123,8 @@ ep = ep_size or world_size
 # local plain tensors): it is switched off and this script clips by the true global norm before each
 # optimizer step (MoETrainer.create_optimizer). --max_grad_norm keeps its meaning.
 max_grad_norm, args.max_grad_norm = args.max_grad_norm, 0.0
+if args.fp16:
+    fail("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
 if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
     fail("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
 if args.world_size != world_size:
@@ -316,6 +321,10 @@ if not trainer.is_fsdp_enabled or plugin is None or plugin.fsdp_version != 1:
 if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
     fail("accelerate.yaml must set fsdp_state_dict_type: SHARDED_STATE_DICT (a full state dict would gather every expert on rank 0)")
 plugin.ignored_modules = [block.experts for block in moe_blocks(model)]
+if args.bf16:  # bf16 compute with fp32 gradient reduction and fp32 buffers (rotary frequencies), as train_fsdp2.py
+    from torch.distributed.fsdp import MixedPrecision
+
+    plugin.mixed_precision_policy = MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 if master:
     print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
 
@@ -342,13 +351,13 @@ try:
 except NonFiniteGradNorm as e:
     fail(e)
 wrapped = trainer.model_wrapped
-flat_local = sum(p.numel() for p in wrapped.parameters() if not any(p is e for e in experts))
+sharding = sharding_facts(wrapped)
 
 # ----------------------------------------------------------------------------- summary and export
 memory = peak_memory_gb(device)
 memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
 dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
-local_all = torch.tensor([flat_local], dtype=torch.float64, device=device)
+local_all = torch.tensor([sharding["dense_numel_local"]], dtype=torch.float64, device=device)
 dist.all_reduce(local_all, op=dist.ReduceOp.MAX)
 runtime = result.metrics["train_runtime"]
 steps_run = result.global_step - (0 if resume is None else json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"])
@@ -364,7 +373,7 @@ summary = {
     "dp": mesh.dp_size,
     "ep": mesh.ep_size,
     "distributed_type": str(trainer.accelerator.distributed_type),
-    "fsdp_wrapped_modules": sum(1 for m in wrapped.modules() if type(m).__name__ == "FullyShardedDataParallel"),
+    "fsdp_wrapped_modules": sharding["fsdp_wrapped_modules"],
     "dense_numel_full": dense_numel,
     "dense_numel_local_max": int(local_all),  # the largest shard any rank holds
     **checksums,

@@ -70,15 +70,27 @@ def fsdp_on_cpu(accelerator) -> bool:
     return True
 
 
+def _root(model: nn.Module) -> FSDP:
+    if isinstance(model, FSDP):
+        return model
+    wrapped = FSDP.fsdp_modules(model)  # outermost first
+    if not wrapped:
+        raise ValueError("the model is not wrapped in FSDP1; prepare it with accelerate (or FSDP) first")
+    return wrapped[0]
+
+
 def grad_shard_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group FSDP1 shards the dense (plain tensor) gradients over; None when it keeps them whole."""
-    roots = [m for m in FSDP.fsdp_modules(model) if m.check_is_root()]
-    if not roots:
-        raise ValueError("the model is not wrapped in FSDP1; prepare it with accelerate (or FSDP) first")
-    root = roots[0]
-    if root.sharding_strategy == ShardingStrategy.NO_SHARD:
-        return None
-    return root.process_group
+    root = _root(model)
+    return None if root.sharding_strategy == ShardingStrategy.NO_SHARD else root.process_group
+
+
+def sharding_facts(model: nn.Module) -> dict:
+    """What FSDP1 did on this rank: how many modules it wrapped and how many dense values this rank holds."""
+    return {
+        "fsdp_wrapped_modules": len(FSDP.fsdp_modules(_root(model))),
+        "dense_numel_local": sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor)),
+    }
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

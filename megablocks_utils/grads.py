@@ -63,9 +63,9 @@ def clip_grad_norm_(
             norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm.to(torch.float32)
         else:
-            norm = torch.zeros((), device=_any_grad_device(groups))
+            norm = torch.zeros(())
         if key is None and sharded_group is not None:
-            squared = norm.square()
+            squared = norm.square().to(_collective_device(sharded_group))
             dist.all_reduce(squared, group=sharded_group)
             norm = squared.sqrt()
         norms.append(norm)
@@ -80,9 +80,8 @@ def clip_grad_norm_(
     return total
 
 
-def _any_grad_device(groups: dict) -> torch.device:
-    """A device for a rank's zero norm: that of its other gradients, else the current accelerator."""
-    for grads in groups.values():
-        if grads:
-            return grads[0].device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor must be for a collective on ``group``: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
