@@ -141,6 +141,7 @@ if resume is not None and resume.lower() in ("true", "last"):
         fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {args.output_dir} holds no checkpoint-* directory")
 if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
     fail(f"--resume_from_checkpoint {resume}: not a Trainer checkpoint (no trainer_state.json)")
+start_step = 0 if resume is None else json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"]
 if os.path.exists(metrics_path) and not overwrite_output_dir and resume is None:
     fail(f"{args.output_dir} already holds a run's results; choose another output_dir, resume with "
          "--resume_from_checkpoint, or pass --overwrite_output_dir true")
@@ -284,12 +285,13 @@ class MoETrainer(Trainer):
         return (loss, out) if return_outputs else loss
 
     def create_optimizer(self, model=None):
+        """Trainer's optimizer (one param group per mesh), made ready for resuming and hooked for clipping."""
+        had_optimizer = self.optimizer is not None
         optimizer = super().create_optimizer(model)
-        if not getattr(self, "sync_and_clip_hooked", False):
+        if not had_optimizer:
             if resume is not None:  # see init_optimizer_state: without it the checkpoint's optimizer state is not loaded
                 init_optimizer_state(optimizer)
             optimizer.register_step_pre_hook(self.sync_and_clip)
-            self.sync_and_clip_hooked = True
         return optimizer
 
     def sync_and_clip(self, optimizer, hook_args, hook_kwargs):
@@ -336,9 +338,8 @@ if master:
             shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
     os.makedirs(args.output_dir, exist_ok=True)
     if resume is not None and os.path.exists(metrics_path):  # keep the records up to the checkpoint's step
-        resumed_step = json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"]
         with open(metrics_path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= resumed_step]
+            kept = [line for line in f if json.loads(line)["step"] <= start_step]
         with open(metrics_path, "w") as f:
             f.writelines(kept)
     with open(os.path.join(args.output_dir, "settings.json"), "w") as f:
@@ -360,7 +361,7 @@ dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
 local_all = torch.tensor([sharding["dense_numel_local"]], dtype=torch.float64, device=device)
 dist.all_reduce(local_all, op=dist.ReduceOp.MAX)
 runtime = result.metrics["train_runtime"]
-steps_run = result.global_step - (0 if resume is None else json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"])
+steps_run = result.global_step - start_step
 checksums = weight_checksums(wrapped, mesh)
 summary = {
     "train_runtime": runtime,

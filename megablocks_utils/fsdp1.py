@@ -2,8 +2,8 @@
 
 accelerate wraps the model in FSDP1 from the plugin that ``accelerate launch --config_file
 accelerate.yaml`` describes; the expert modules go to it as ``ignored_modules``, so FSDP1 flattens
-and shards every dense weight and never touches the expert DTensors. Three things FSDP1 and
-accelerate do not do for such a model live here:
+and shards every dense weight and never touches the expert DTensors. What FSDP1 and accelerate
+do not do for such a model lives here:
 
 - ``fsdp_on_cpu``: accelerate only selects FSDP on GPU-like devices. On a CPU-only machine it falls
   back to no distribution at all (every rank trains alone), although torch's FSDP1 runs on CPU with gloo.

@@ -32,8 +32,10 @@ RECORD_FIELDS = {
     "tokens_per_expert_max", "tokens_per_expert_mean", "tokens_per_expert",
 }
 SUMMARY_FIELDS = {"train_runtime", "train_steps_per_second", "train_tokens_per_second", "peak_rss_gb"}
-# 4 steps of 2 micro-steps; 2 ranks x 2 samples = 1 rank x 4 samples per micro-step.
+# 4 steps of 2 micro-steps; 2 ranks x 2 samples = 1 rank x 4 samples per micro-step. With 50 samples an
+# epoch has 3 steps: step 4 is in the second epoch, and checkpoint-2 is in the middle of the first.
 STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
+NUM_SAMPLES = 50
 
 
 def readme_command() -> list[str]:
@@ -65,7 +67,9 @@ def accelerate_launch(words: list[str], *extra: str, num_processes: int | None =
 def runs(tiny_model_dir, tmp_path_factory):
     """README's command on 2 ranks (ep=2, checkpoints every 2 steps), train_fsdp2.py on 2 ranks, train_fsdp1.py on 1."""
     tmp = tmp_path_factory.mktemp("fsdp1")
-    model = ["--model_name_or_path", tiny_model_dir]
+    with open(os.path.join(ROOT, "data.json")) as f:
+        (tmp / "data.json").write_text(json.dumps(json.load(f)[:NUM_SAMPLES]))
+    model = ["--model_name_or_path", tiny_model_dir, "--data_path", str(tmp / "data.json")]
     out = {name: str(tmp / name) for name in ("fsdp1", "fsdp2", "one")}
     result = accelerate_launch(
         readme_command(), *model, "--output_dir", out["fsdp1"], *STEPS, "--ep_size", "2",
@@ -79,7 +83,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         readme_command(), *model, "--output_dir", out["one"], *STEPS, "--ep_size", "1", "--per_device_train_batch_size", "4",
         num_processes=1,
     )
-    return {"stdout": result.stdout, "tmp": tmp, **out}
+    return {"stdout": result.stdout, "tmp": tmp, "model": model, **out}
 
 
 def metrics(run_dir: str) -> list[dict]:
@@ -136,7 +140,7 @@ def test_export_equals_fsdp2_export(runs):
     assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
 
 
-def test_resume_from_mid_run_checkpoint_repeats_later_losses(runs, tiny_model_dir):
+def test_resume_from_mid_run_checkpoint_repeats_later_losses(runs):
     import torch.distributed.checkpoint as dcp
 
     checkpoint = os.path.join(runs["fsdp1"], "checkpoint-2")
@@ -146,7 +150,7 @@ def test_resume_from_mid_run_checkpoint_repeats_later_losses(runs, tiny_model_di
     assert tuple(expert.size) == (8, 256, 64) and len(expert.chunks) == 2
     resumed = str(runs["tmp"] / "resumed")
     accelerate_launch(
-        readme_command(), "--model_name_or_path", tiny_model_dir, "--output_dir", resumed, *STEPS, "--ep_size", "2",
+        readme_command(), *runs["model"], "--output_dir", resumed, *STEPS, "--ep_size", "2",
         "--per_device_train_batch_size", "2", "--resume_from_checkpoint", checkpoint,
     )
     later = [r for r in metrics(runs["fsdp1"]) if r["step"] > 2]
@@ -158,6 +162,23 @@ def test_launch_without_accelerate_fsdp_config_stops(tiny_model_dir, tmp_path):
     assert result.returncode != 0
     assert "error: launch with accelerate and the FSDP config" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_rank_batch_sampler_follows_global_batches_across_epochs():
+    from datasets import Dataset
+
+    from megablocks_utils.data import GlobalBatches, RankBatchSampler
+
+    dataset = Dataset.from_dict({"num_label_tokens": list(range(1, 41))})
+    for rank in range(2):
+        batches = GlobalBatches(dataset, micro_batch=3, grad_accum=2, world_size=2, rank=rank, seed=7)
+        sampler = RankBatchSampler(batches)
+        assert len(sampler) == batches.steps_per_epoch * 2 == 6
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            steps = range(epoch * batches.steps_per_epoch, (epoch + 1) * batches.steps_per_epoch)
+            assert list(sampler) == [m for step in steps for m in batches.micro_batches(step)[0]]
+        assert list(sampler) != [m for step in range(3) for m in batches.micro_batches(step)[0]]  # epochs differ
 
 
 # ----------------------------------------------------------------------------- FSDP1's clipped norm, in process
