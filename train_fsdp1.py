@@ -90,7 +90,7 @@ def fail(message) -> None:
 
 
 try:
-    trainer_argv = apply_overrides(settings, known_extra=training_flags)
+    trainer_argv = apply_overrides(settings, known_extra=training_flags - set(settings))
 except SettingsError as e:
     fail(e)
 globals().update(settings)

@@ -14,6 +14,7 @@ do not do for such a model lives here:
   nothing would be loaded (accelerate 1.15, any FSDP1 model with a sharded state dict).
 - ``export_hf_fsdp1``: ``export_hf`` reads full dense tensors, which FSDP1 provides inside
   ``summon_full_params``.
+- ``sharding_facts`` and ``weight_checksums``: what shows the sharding is real, for the run's summary.
 """
 
 import os
@@ -39,12 +40,12 @@ def fsdp_on_cpu(accelerator) -> bool:
 
     accelerate 1.15 turns an FSDP config into ``DistributedType.FSDP`` only on GPU-like devices; on
     CPU the processes come up as ``MULTI_CPU`` (with ``use_cpu``, over gloo) and the model would be
-    wrapped in DDP, which cannot hold the expert DTensors. torch's FSDP1 itself runs on CPU with gloo, so
-    we set the public fields accelerate sets on a GPU machine: ``distributed_type`` (of the accelerator
-    and of the process state) and ``fsdp_plugin``, the plugin read from the same ``FSDP_*`` variables
-    accelerate.yaml produced.
-    From then on accelerate and the Trainer take their GPU FSDP1 code paths unchanged (wrapping,
-    ``no_sync``, sharded checkpoints). Call it right after the Accelerator is created.
+    wrapped in DDP, which cannot hold the expert DTensors. torch's FSDP1 itself runs on CPU with gloo,
+    so we set the public fields accelerate sets on a GPU machine: ``distributed_type`` (of the
+    accelerator's and of the process's state) and ``fsdp_plugin``, read from the same ``FSDP_*``
+    variables accelerate.yaml produced. From then on accelerate and the Trainer take their GPU FSDP1
+    code paths unchanged (wrapping, ``no_sync``, sharded checkpoints). Call it right after the
+    Accelerator is created, before anything is prepared.
     """
     from accelerate import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
