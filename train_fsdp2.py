@@ -87,6 +87,11 @@ device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torc
 dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
 rank, world_size = dist.get_rank(), dist.get_world_size()
 master = rank == 0
+# Schedulers send SIGTERM before preemption: finish the step, save, exit 0. Installed first thing,
+# so a signal during loading is honoured after the first step; ranks agree on stopping at each
+# step's end (a signal can reach them at different moments).
+stop_requested = torch.zeros(1, device=device)
+signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
 torch.manual_seed(seed)
 ep = ep_size or world_size
 compute_dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
@@ -174,11 +179,6 @@ def checkpoint(step):
     save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
                     {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
 
-
-# Schedulers send SIGTERM before preemption: finish the step, save, exit 0. Ranks agree on
-# stopping at each step's end (a signal can reach them at different moments).
-stop_requested = torch.zeros(1, device=device)
-signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
 
 n_active = active_params(model, config, list(experts))
 peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12

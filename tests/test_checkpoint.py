@@ -79,6 +79,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
     proc = launch(tiny_model_dir, out, 2, "--max_steps", "500")
     metrics = os.path.join(out, "metrics.jsonl")
     wait_for(metrics, proc)
+    while not read_jsonl(metrics):  # a first finished step: every rank is in the training loop
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
     for child in psutil.Process(proc.pid).children(recursive=True):  # what a scheduler does: signal every task
         child.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
