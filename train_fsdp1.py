@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -118,6 +119,10 @@ if not dist.is_initialized():
     fail("accelerate did not start a process group; launch with `accelerate launch --num_processes N --config_file accelerate.yaml`")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 master = rank == 0
+# SIGTERM (a scheduler's notice before preemption) only raises a flag, installed first thing; the
+# StopOnSigterm callback below ends the run at the next step's end with a saved checkpoint.
+sigterm = torch.zeros(1, device=device)
+signal.signal(signal.SIGTERM, lambda signum, frame: sigterm.fill_(1))
 ep = ep_size or world_size
 # Trainer's own clipping cannot see the expert shards (FSDP1's clip_grad_norm_ counts DTensor experts as
 # local plain tensors): it is switched off and this script clips by the true global norm before each
@@ -134,9 +139,13 @@ if args.world_size != world_size:
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 resume = args.resume_from_checkpoint
 if resume is not None and resume.lower() in ("true", "last"):
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer_utils import sort_checkpoints
 
-    resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    # The newest complete one: Trainer writes trainer_state.json last, so a checkpoint cut short by a
+    # crash has none and is skipped.
+    found = sort_checkpoints(args.output_dir) if os.path.isdir(args.output_dir) else []
+    complete = [c for c in found if os.path.isfile(os.path.join(c, "trainer_state.json"))]
+    resume = complete[-1] if complete else None
     if resume is None:
         fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {args.output_dir} holds no checkpoint-* directory")
 if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
@@ -226,6 +235,16 @@ class StepMetrics(TrainerCallback):
             self.writer.write(self.record)
 
 
+class StopOnSigterm(TrainerCallback):
+    """After SIGTERM reached any rank: all ranks save a Trainer checkpoint at this step's end and stop."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        dist.all_reduce(sigterm, op=dist.ReduceOp.MAX)  # ranks may be signalled at different moments
+        if sigterm.item() and state.global_step < state.max_steps:
+            control.should_save = True
+            control.should_training_stop = True
+
+
 class NonFiniteGradNorm(RuntimeError):
     pass
 
@@ -312,7 +331,9 @@ class MoETrainer(Trainer):
 
 
 step_metrics = StepMetrics()
-trainer = MoETrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics])
+trainer = MoETrainer(
+    model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm()]
+)
 
 # ----------------------------------------------------------------------------- parallelize
 # FSDP1 comes from accelerate (accelerate.yaml: transformer-based wrap per decoder layer, full shard);
@@ -351,6 +372,12 @@ try:
     result = trainer.train(resume_from_checkpoint=resume)
 except NonFiniteGradNorm as e:
     fail(e)
+if sigterm.item() and result.global_step < total_steps:
+    if master:
+        print(f"SIGTERM: saved {os.path.join(args.output_dir, f'checkpoint-{result.global_step}')}; "
+              "continue with --resume_from_checkpoint last", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)
 wrapped = trainer.model_wrapped
 sharding = sharding_facts(wrapped)
 

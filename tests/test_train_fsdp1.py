@@ -249,3 +249,37 @@ def check_fsdp1_clip_is_global(rank, world, ep_size, use_orig_params):
 @pytest.mark.parametrize("dp,ep,use_orig_params", [(1, 2, True), (2, 1, False)], ids=["ep2-orig-params", "dp2-flat-params"])
 def test_fsdp1_clipped_norm_is_the_global_norm(dp, ep, use_orig_params):
     run_ranks(check_fsdp1_clip_is_global, dp * ep, ep, use_orig_params)
+
+
+def test_sigterm_saves_a_trainer_checkpoint_exits_zero_and_resumes(tiny_model_dir, tmp_path):
+    """SIGTERM to the ranks: a Trainer checkpoint at the step's end, exit 0; `last` skips a partial checkpoint."""
+    import signal
+    import time
+
+    import psutil
+
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *readme_command()[2:],
+           "--model_name_or_path", tiny_model_dir, "--output_dir", out, "--max_steps", "500"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    start = time.time()
+    while not (os.path.exists(metrics_path) and read_jsonl(metrics_path)):  # a finished step: all ranks are training
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() - start < 300
+        time.sleep(0.05)
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGTERM: saved" in stdout
+    steps = len(read_jsonl(metrics_path))
+    assert steps < 500
+    saved = os.path.join(out, f"checkpoint-{steps}")
+    assert os.path.isfile(os.path.join(saved, "trainer_state.json")), os.listdir(out)
+
+    os.makedirs(os.path.join(out, f"checkpoint-{steps + 5}"))  # what a crash mid-save leaves: no trainer_state.json
+    accelerate_launch(readme_command(), "--model_name_or_path", tiny_model_dir, "--output_dir", out,
+                      "--max_steps", str(steps + 1), "--resume_from_checkpoint", "last")
+    assert [r["step"] for r in read_jsonl(metrics_path)] == list(range(1, steps + 2))
