@@ -22,8 +22,9 @@ def check_backend(moe_backend: str) -> None:
     if moe_backend == "megablocks":
         if importlib.util.find_spec("megablocks") is None:
             raise ImportError(
-                "moe_backend='megablocks' needs the megablocks package, which is not installed; "
-                "install it with `pip install -r requirements-megablocks.txt` (CUDA only) or use moe_backend='native'"
+                "moe_backend='megablocks' needs the megablocks package, which is not installed (it builds only "
+                "from source, on CUDA; README's 'MoE backends' says which environments support it); "
+                "use moe_backend='native'"
             )
         raise NotImplementedError(
             "moe_backend='megablocks' is not wired up in this version; use moe_backend='native'"

@@ -49,7 +49,9 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
 def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, dp_args):
     """The same global batch on 2 ranks (ep=2, or dp=2 with replicated experts) and on 1 rank."""
     common = ["--max_steps", "3", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
-    train(tiny_model_dir, str(tmp_path / "two"), 2, *common, *dp_args, "--per_device_train_batch_size", "2")
+    # Activation checkpointing on the 2-rank side: recomputation must route (and all-to-all) exactly as the first pass.
+    train(tiny_model_dir, str(tmp_path / "two"), 2, *common, *dp_args, "--per_device_train_batch_size", "2",
+          "--activation_checkpointing", "true")
     train(tiny_model_dir, str(tmp_path / "one"), 1, *common, "--per_device_train_batch_size", "4")
     two = read_jsonl(str(tmp_path / "two" / "metrics.jsonl"))
     one = read_jsonl(str(tmp_path / "one" / "metrics.jsonl"))
