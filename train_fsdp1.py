@@ -63,6 +63,7 @@ from megablocks_utils import (  # noqa: E402  (settings first, so they read like
     router_stats,
     sync_expert_grads,
 )
+from megablocks_utils.checkpoint import copy_model_files  # noqa: E402
 from megablocks_utils.data import DataError, GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
 from megablocks_utils.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
@@ -245,6 +246,15 @@ class StopOnSigterm(TrainerCallback):
             control.should_training_stop = True
 
 
+class ModelFilesInCheckpoints(TrainerCallback):
+    """Config and tokenizer into each checkpoint-N, so `python -m megablocks_utils.export` needs only it."""
+
+    def on_save(self, args, state, control, **kwargs):
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if master and os.path.isdir(path):
+            copy_model_files(model_name_or_path, path)
+
+
 class NonFiniteGradNorm(RuntimeError):
     pass
 
@@ -332,7 +342,7 @@ class MoETrainer(Trainer):
 
 step_metrics = StepMetrics()
 trainer = MoETrainer(
-    model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm()]
+    model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm(), ModelFilesInCheckpoints()]
 )
 
 # ----------------------------------------------------------------------------- parallelize

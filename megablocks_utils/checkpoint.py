@@ -55,6 +55,13 @@ def rng_state() -> dict:
     return state
 
 
+def copy_model_files(source_dir: str, dest: str) -> None:
+    """config.json, generation config and tokenizer files (no weights), so a checkpoint exports alone."""
+    for name in os.listdir(source_dir):
+        if name.endswith(".json") and not name.endswith(".index.json") or name.startswith("tokenizer"):
+            shutil.copy(os.path.join(source_dir, name), dest)
+
+
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_state: dict, keep_last: int, source_dir: str | None = None) -> str:
     """Collective: every rank writes its shards; returns the final directory."""
     rank = dist.get_rank()
@@ -72,9 +79,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
         with open(os.path.join(tmp, STATE_NAME), "w") as f:
             json.dump(state, f, indent=1)
         if source_dir is not None:
-            for name in os.listdir(source_dir):
-                if name.endswith(".json") and not name.endswith(".index.json") or name.startswith("tokenizer"):
-                    shutil.copy(os.path.join(source_dir, name), tmp)
+            copy_model_files(source_dir, tmp)
     dist.barrier()
     if rank == 0 and os.environ.get(KILL_IN_SAVE_ENV) == str(step):
         os.kill(os.getpid(), 9)

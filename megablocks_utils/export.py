@@ -1,7 +1,8 @@
 """Write a Hugging Face checkpoint in hub layout (one tensor per expert), without gathering experts.
 
-Each ep rank of the first dp replica writes its own experts to its own safetensors file; rank 0
-writes the dense weights (gathered from FSDP one tensor at a time), the index, the config and the
+Each ep rank of the first dp replica writes its own experts to its own safetensors file (a model whose
+hub layout stacks a layer's experts in one tensor, Granite, gathers one layer at a time to rank 0
+instead); rank 0 writes the dense weights (gathered from FSDP one tensor at a time), the index, the config and the
 tokenizer. The directory appears under its final name only when every file is written.
 """
 
@@ -28,17 +29,24 @@ def shard_file_name(i: int, n: int) -> str:
 
 def dense_hub_name(name: str, spec: MoESpec) -> str:
     """transformers 5 dense name -> hub name (only the router moves)."""
-    return name.replace(f".{spec.block_attr}.{spec.router_attr}.", f".{spec.hub_block_name}.{spec.router_attr}.")
+    return spec.model_to_hub(name)
 
 
 def expert_hub_names(spec: MoESpec, layer: int, expert: int) -> tuple[str, str, str]:
     """Hub names of one expert's (gate, up, down) projections."""
-    prefix = f"model.layers.{layer}.{spec.hub_block_name}.experts.{expert}"
-    return tuple(f"{prefix}.{p}.weight" for p in (spec.hub_gate, spec.hub_up, spec.hub_down))
+    return spec.hub_expert_names(layer, expert)
 
 
 def expert_hub_tensors(spec: MoESpec, layer: int, first_expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict:
-    """Per-expert hub tensors of experts first_expert.. from fused [El, 2I, H] / [El, H, I] blocks."""
+    """Hub tensors of experts first_expert.. from fused [El, 2I, H] / [El, H, I] blocks.
+
+    A stacked hub layout (Granite) keeps the blocks as they are, so they must hold all the layer's experts.
+    """
+    if spec.hub_stacked is not None:
+        if first_expert != 0:
+            raise ValueError(f"{spec.model_type} stores each layer's experts in one tensor; pass all of them")
+        gate_up_name, down_name = spec.hub_stacked_names(layer)
+        return {gate_up_name: gate_up.contiguous(), down_name: down.contiguous()}
     intermediate = down.shape[-1]
     out = {}
     for i in range(gate_up.shape[0]):
@@ -104,7 +112,7 @@ def export_hf(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         os.makedirs(tmp_dir)
     dist.barrier()
-    n_files = 1 + mesh.ep_size
+    n_files = 2 if spec.hub_stacked is not None else 1 + mesh.ep_size
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
 
     # Dense weights: all ranks join each gather; rank 0 keeps them on CPU.
@@ -117,27 +125,11 @@ def export_hf(
         if rank == 0:
             dense[dense_hub_name(name, spec)] = cast(full).cpu()
 
-    # Experts: each ep rank of dp replica 0 writes its own.
     layers = decoder_layers(model)
-    local_experts = None
-    expert_files = {}
-    for index, layer in enumerate(layers):
-        block = getattr(layer, spec.block_attr)
-        if not isinstance(block, ExpertParallelMoE):
-            continue
-        local_experts = block.experts.num_local_experts
-        for e in range(block.experts.num_experts):
-            owner = e // local_experts
-            expert_files.update({n: shard_file_name(1 + owner, n_files) for n in expert_hub_names(spec, index, e)})
-    if mesh.dp_rank == 0:
-        tensors = {}
-        for index, layer in enumerate(layers):
-            block = getattr(layer, spec.block_attr)
-            if isinstance(block, ExpertParallelMoE):
-                gate_up = block.experts.gate_up_proj.to_local().detach()
-                down = block.experts.down_proj.to_local().detach()
-                tensors.update(expert_hub_tensors(spec, index, mesh.ep_rank * local_experts, cast(gate_up).cpu(), cast(down).cpu()))
-        save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + mesh.ep_rank, n_files)), metadata={"format": "pt"})
+    if spec.hub_stacked is not None:
+        expert_files = _write_stacked_experts(layers, spec, rank, tmp_dir, n_files, cast)
+    else:
+        expert_files = _write_local_experts(layers, spec, mesh, tmp_dir, n_files, cast)
 
     if rank == 0:
         save_file({k: v.contiguous() for k, v in dense.items()}, os.path.join(tmp_dir, shard_file_name(0, n_files)), metadata={"format": "pt"})
@@ -157,6 +149,47 @@ def export_hf(
     dist.barrier()
 
 
+def _write_stacked_experts(layers, spec: MoESpec, rank: int, tmp_dir: str, n_files: int, cast) -> dict:
+    """Stacked hub layout (Granite): a layer's experts are one tensor, which cannot be split over
+    files, so all ranks join the gather of one layer at a time and rank 0 writes them all."""
+    tensors = {}
+    for index, layer in enumerate(layers):
+        block = getattr(layer, spec.block_attr)
+        if isinstance(block, ExpertParallelMoE):
+            gate_up = block.experts.gate_up_proj.detach().full_tensor()
+            down = block.experts.down_proj.detach().full_tensor()
+            if rank == 0:
+                tensors.update(expert_hub_tensors(spec, index, 0, cast(gate_up).cpu(), cast(down).cpu()))
+    if rank != 0:
+        return {}
+    save_file(tensors, os.path.join(tmp_dir, shard_file_name(1, n_files)), metadata={"format": "pt"})
+    return {n: shard_file_name(1, n_files) for n in tensors}
+
+
+def _write_local_experts(layers, spec: MoESpec, mesh: MoEMesh, tmp_dir: str, n_files: int, cast) -> dict:
+    """Each ep rank of dp replica 0 writes its own experts (per-expert hub layout); returns the weight map."""
+    local_experts = None
+    expert_files = {}
+    for index, layer in enumerate(layers):
+        block = getattr(layer, spec.block_attr)
+        if not isinstance(block, ExpertParallelMoE):
+            continue
+        local_experts = block.experts.num_local_experts
+        for e in range(block.experts.num_experts):
+            owner = e // local_experts
+            expert_files.update({n: shard_file_name(1 + owner, n_files) for n in expert_hub_names(spec, index, e)})
+    if mesh.dp_rank == 0:
+        tensors = {}
+        for index, layer in enumerate(layers):
+            block = getattr(layer, spec.block_attr)
+            if isinstance(block, ExpertParallelMoE):
+                gate_up = block.experts.gate_up_proj.to_local().detach()
+                down = block.experts.down_proj.to_local().detach()
+                tensors.update(expert_hub_tensors(spec, index, mesh.ep_rank * local_experts, cast(gate_up).cpu(), cast(down).cpu()))
+        save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + mesh.ep_rank, n_files)), metadata={"format": "pt"})
+    return expert_files
+
+
 def _expert_numel(model: nn.Module, spec: MoESpec) -> int:
     return sum(
         b.experts.gate_up_proj.numel() + b.experts.down_proj.numel()
@@ -166,7 +199,8 @@ def _expert_numel(model: nn.Module, spec: MoESpec) -> int:
 
 
 def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype | None = None) -> None:
-    """Turn a DCP training checkpoint into a hub-layout HF checkpoint; no process group needed.
+    """Turn a training checkpoint (train_fsdp2's DCP one or train_fsdp1's Trainer one) into a hub-layout
+    HF checkpoint; no process group needed.
 
     Reads the dense weights at once and the experts one layer at a time (only that layer's experts
     are ever in memory), on the CPU.
@@ -180,8 +214,11 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
         raise CheckpointError(f"{checkpoint_dir} is not a complete training checkpoint (no {STATE_NAME})")
     config = AutoConfig.from_pretrained(checkpoint_dir)
     spec = spec_for(config)
+    # A train_fsdp1.py (Trainer + accelerate FSDP1) checkpoint keeps the same DCP keys in a subfolder.
+    trainer_dcp = os.path.join(checkpoint_dir, "pytorch_model_fsdp_0")
+    dcp_dir = trainer_dcp if os.path.isdir(trainer_dcp) else checkpoint_dir
     try:
-        metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+        metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
     except Exception as e:
         raise CheckpointError(f"cannot read the DCP metadata of {checkpoint_dir} ({e}); the checkpoint is incomplete") from e
     prefix = "model."
@@ -191,7 +228,7 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
     def read(names):
         target = {n: torch.empty(shapes[n].size, dtype=shapes[n].properties.dtype) for n in names}
         try:
-            dcp.load({"model": target}, checkpoint_id=checkpoint_dir, no_dist=True)
+            dcp.load({"model": target}, checkpoint_id=dcp_dir, no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
             raise CheckpointError(f"the checkpoint {checkpoint_dir} is corrupt or truncated ({describe_failure(e)})") from e
         return {n: t.to(dtype) if dtype is not None else t for n, t in target.items()}
@@ -208,7 +245,7 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
     total = sum(t.numel() * t.element_size() for t in dense.values())
     for i, layer in enumerate(layers):
         base = f"model.layers.{layer}{expert_suffix}"
-        fused = read([base + "gate_up_proj", base + "down_proj"])
+        fused = read([base + "gate_up_proj", base + "down_proj"])  # all experts of the layer
         tensors = expert_hub_tensors(spec, layer, 0, fused[base + "gate_up_proj"], fused[base + "down_proj"])
         save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + i, n_files)), metadata={"format": "pt"})
         weight_map.update({n: shard_file_name(1 + i, n_files) for n in tensors})
@@ -226,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m megablocks_utils.export",
-        description="Export a training checkpoint (output_dir/checkpoints/step_XXXXXXXX) as a Hugging Face model in hub layout.",
+        description="Export a training checkpoint (train_fsdp2: output_dir/checkpoints/step_XXXXXXXX; "
+        "train_fsdp1: output_dir/checkpoint-N) as a Hugging Face model in hub layout.",
     )
-    parser.add_argument("checkpoint", help="a step_XXXXXXXX checkpoint directory")
+    parser.add_argument("checkpoint", help="a step_XXXXXXXX or checkpoint-N directory")
     parser.add_argument("out", help="where to write the HF model")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as trained)")
     args = parser.parse_args(argv)

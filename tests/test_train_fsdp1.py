@@ -140,6 +140,24 @@ def test_export_equals_fsdp2_export(runs):
     assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
 
 
+def test_export_command_on_a_trainer_checkpoint_equals_the_live_export(runs):
+    """`python -m megablocks_utils.export checkpoint-N out` on the final Trainer checkpoint = final/."""
+    from safetensors.torch import load_file
+
+    out = str(runs["tmp"] / "exported")
+    checkpoint = os.path.join(runs["fsdp1"], "checkpoint-4")
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", checkpoint, out], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+    def tensors(folder):
+        return {k: v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors") for k, v in load_file(os.path.join(folder, f)).items()}
+
+    exported, live = tensors(out), tensors(os.path.join(runs["fsdp1"], "final"))
+    assert sorted(exported) == sorted(live)
+    for name in live:
+        torch.testing.assert_close(exported[name], live[name], rtol=0, atol=0, msg=name)
+
+
 def test_resume_from_mid_run_checkpoint_repeats_later_losses(runs):
     import torch.distributed.checkpoint as dcp
 
