@@ -1,8 +1,9 @@
 """Read a model directory's safetensors: dense weights whole, experts only as this rank's slices.
 
 Real Mixtral checkpoints store every expert separately (hub layout,
-``model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight``); transformers 5 writes them fused
-(``model.layers.{l}.mlp.experts.gate_up_proj`` [E, 2I, H]). Either way a rank reads only the bytes of
+``model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight``; Granite stacks each layer's experts in
+one tensor); transformers 5's own state dict has them fused
+(``model.layers.{l}.mlp.experts.gate_up_proj`` [E, 2I, H]). ``models.py`` names both layouts. Either way a rank reads only the bytes of
 its own experts, straight into a preallocated local tensor: no rank ever holds all experts and
 nothing is concatenated.
 """
@@ -83,8 +84,12 @@ class Checkpoint:
 
 
 def expert_layout(ckpt: Checkpoint, spec: MoESpec) -> str:
-    """'hub' (one tensor per expert and projection) or 'fused' (transformers 5)."""
-    hub = re.compile(rf"\.{spec.hub_block_name}\.experts\.\d+\.{spec.hub_gate}\.weight$")
+    """'hub' (the Hub's names: per expert, or stacked per layer for Granite) or 'fused' (transformers 5)."""
+    if spec.hub_stacked is not None:
+        hub_example = spec.hub_stacked_names(0)[0]
+    else:
+        hub_example = spec.hub_expert_names(0, 0)[0]
+    hub = re.compile(re.escape(hub_example).replace(r"layers\.0\.", r"layers\.\d+\.").replace(r"experts\.0\.", r"experts\.\d+\.") + "$")
     fused = re.compile(rf"\.{spec.block_attr}\.{spec.experts_attr}\.gate_up_proj$")
     names = ckpt.names()
     if any(hub.search(n) for n in names):
@@ -93,18 +98,9 @@ def expert_layout(ckpt: Checkpoint, spec: MoESpec) -> str:
         return "fused"
     raise ValueError(
         f"the checkpoint in {ckpt.model_dir} has no expert weights in a layout we know "
-        f"(neither '...{spec.hub_block_name}.experts.<e>.{spec.hub_gate}.weight' nor "
-        f"'...{spec.block_attr}.{spec.experts_attr}.gate_up_proj'); is it a {spec.model_type} MoE checkpoint?"
+        f"(neither '{hub_example}' nor '{spec.fused_names(0)[0]}' or their other layers); "
+        f"is it a {spec.model_type} MoE checkpoint?"
     )
-
-
-def is_expert_tensor(name: str, spec: MoESpec) -> bool:
-    return f".{spec.hub_block_name}.experts." in name or f".{spec.block_attr}.{spec.experts_attr}." in name
-
-
-def hub_to_model_name(name: str, spec: MoESpec) -> str:
-    """Map a non-expert hub name to its transformers 5 parameter name (the router moves)."""
-    return name.replace(f".{spec.hub_block_name}.{spec.router_attr}.", f".{spec.block_attr}.{spec.router_attr}.")
 
 
 def load_local_experts(
@@ -119,15 +115,16 @@ def load_local_experts(
 ) -> None:
     """Fill out_gate_up [El, 2I, H] and out_down [El, H, I] with experts ``experts`` of ``layer``.
 
-    ``layout`` is what ``expert_layout`` says of the checkpoint.
+    ``layout`` is what ``expert_layout`` says of the checkpoint. Stacked tensors (transformers'
+    fused layout, Granite's hub layout) are read as row slices; per-expert ones whole.
     """
-    if layout == "fused":
-        prefix = f"model.layers.{layer}.{spec.block_attr}.{spec.experts_attr}"
-        out_gate_up.copy_(ckpt.get_rows(f"{prefix}.gate_up_proj", experts.start, experts.stop))
-        out_down.copy_(ckpt.get_rows(f"{prefix}.down_proj", experts.start, experts.stop))
+    if layout == "fused" or spec.hub_stacked is not None:
+        gate_up_name, down_name = spec.fused_names(layer) if layout == "fused" else spec.hub_stacked_names(layer)
+        out_gate_up.copy_(ckpt.get_rows(gate_up_name, experts.start, experts.stop))
+        out_down.copy_(ckpt.get_rows(down_name, experts.start, experts.stop))
         return
-    prefix = f"model.layers.{layer}.{spec.hub_block_name}.experts"
     for i, e in enumerate(experts):
-        out_gate_up[i, :intermediate].copy_(ckpt.get(f"{prefix}.{e}.{spec.hub_gate}.weight"))
-        out_gate_up[i, intermediate:].copy_(ckpt.get(f"{prefix}.{e}.{spec.hub_up}.weight"))
-        out_down[i].copy_(ckpt.get(f"{prefix}.{e}.{spec.hub_down}.weight"))
+        gate, up, down = spec.hub_expert_names(layer, e)
+        out_gate_up[i, :intermediate].copy_(ckpt.get(gate))
+        out_gate_up[i, intermediate:].copy_(ckpt.get(up))
+        out_down[i].copy_(ckpt.get(down))

@@ -1,46 +1,125 @@
 """The model table: where each supported architecture keeps its MoE block, router and expert weights.
 
 One row per architecture. Everything else (the MoE layer, the loader, the exporter) reads this table
-instead of knowing model names, so adding a model means adding a row here.
+instead of knowing model names, so adding a model means adding a row here (README: "Supported models").
+
+Two layouts of the same weights exist. transformers 5 holds a layer's experts fused
+(``model.layers.{l}.<block_attr>.experts.gate_up_proj`` [E, 2I, H], gate rows first, and ``down_proj``
+[E, H, I]); the hub layout is what checkpoints on the Hub hold and what ``save_pretrained`` writes
+back: one tensor per expert and projection for most models, one stacked tensor per layer for Granite.
+
+The load-balancing loss of every row is transformers' ``load_balancing_loss_func`` (the same function,
+copied into each model file): softmax of the full router logits, top-k counts, padding masked, times E.
 """
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MoESpec:
     model_type: str  # config.model_type
     block_attr: str  # attribute of a decoder layer that holds the MoE block (transformers 5 name)
     router_attr: str  # attribute of the MoE block that holds the router (weight [E, H])
-    experts_attr: str  # attribute of the MoE block that holds the experts
-    hub_block_name: str  # name of the MoE block in hub checkpoints (model.layers.{l}.<name>.*)
-    hub_gate: str  # hub name of the per-expert gate projection  [I, H]
-    hub_up: str  # hub name of the per-expert up projection    [I, H]
-    hub_down: str  # hub name of the per-expert down projection  [H, I]
-    num_experts_attr: str  # config field: number of experts
-    top_k_attr: str  # config field: experts per token
-    aux_coef_attr: str  # config field: load-balancing loss coefficient
-    renormalize: bool | str  # renormalise the top-k weights (True/False, or a config field name)
+    experts_attr: str = "experts"  # attribute of the MoE block that holds the fused experts
+    # "softmax_topk": softmax (fp32) over all experts, then top-k (Mixtral, Qwen, OLMoE);
+    # "topk_softmax": top-k of the logits, then softmax over those k (Granite; the same as
+    # "softmax_topk" with renormalisation, computed in the other order).
+    router: str = "softmax_topk"
+    renormalize: bool | str = False  # softmax_topk only: renormalise the top-k weights (bool, or a config field)
+    num_experts_attr: str = "num_local_experts"  # config field: number of experts
+    top_k_attr: str = "num_experts_per_tok"  # config field: experts per token
     intermediate_attr: str = "intermediate_size"  # config field: expert hidden width
+    aux_coef_attr: str = "router_aux_loss_coef"  # config field: load-balancing loss coefficient
+    # An always-on dense MLP inside the MoE block, added to the experts' output, optionally scaled by
+    # sigmoid(gate(x)) with gate = Linear(H, 1) (Qwen2-MoE). Kept as transformers' own modules.
+    shared_expert_attr: str | None = None
+    shared_gate_attr: str | None = None
+    # Hub layout, names relative to model.layers.{l}.<hub_block_name>.
+    hub_block_name: str
+    hub_router: str = "gate.weight"  # the router weight
+    hub_gate: str | None = None  # per expert: experts.{e}.<hub_gate>.weight [I, H]
+    hub_up: str | None = None  # per expert: experts.{e}.<hub_up>.weight   [I, H]
+    hub_down: str | None = None  # per expert: experts.{e}.<hub_down>.weight [H, I]
+    hub_stacked: tuple[str, str] | None = None  # or all experts in one tensor: (gate_up [E, 2I, H], down [E, H, I])
 
+    def fused_names(self, layer: int) -> tuple[str, str]:
+        """transformers 5 names of one layer's (gate_up_proj, down_proj)."""
+        prefix = f"model.layers.{layer}.{self.block_attr}.{self.experts_attr}"
+        return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+
+    def hub_expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """Hub names of one expert's (gate, up, down) projections (per-expert hub layout)."""
+        prefix = f"model.layers.{layer}.{self.hub_block_name}.experts.{expert}"
+        return tuple(f"{prefix}.{p}.weight" for p in (self.hub_gate, self.hub_up, self.hub_down))
+
+    def hub_stacked_names(self, layer: int) -> tuple[str, str]:
+        """Hub names of one layer's stacked (gate_up, down) tensors (stacked hub layout)."""
+        return tuple(f"model.layers.{layer}.{self.hub_block_name}.{n}" for n in self.hub_stacked)
+
+    def model_to_hub(self, name: str) -> str:
+        """A non-expert transformers 5 name -> its hub name (only the router moves)."""
+        pattern = rf"^(model\.layers\.\d+)\.{re.escape(self.block_attr)}\.{re.escape(self.router_attr)}\.weight$"
+        return re.sub(pattern, rf"\1.{self.hub_block_name}.{self.hub_router}", name)
+
+    def hub_to_model(self, name: str) -> str:
+        """A non-expert hub name -> its transformers 5 name."""
+        pattern = rf"^(model\.layers\.\d+)\.{re.escape(self.hub_block_name)}\.{re.escape(self.hub_router)}$"
+        return re.sub(pattern, rf"\1.{self.block_attr}.{self.router_attr}.weight", name)
+
+    def is_expert_name(self, name: str) -> bool:
+        """Whether a tensor name (either layout) is expert weights."""
+        if f".{self.block_attr}.{self.experts_attr}." in name:
+            return True
+        if self.hub_stacked is not None:
+            return any(name.endswith(f".{self.hub_block_name}.{n}") for n in self.hub_stacked)
+        return f".{self.hub_block_name}.experts." in name
+
+
+_QWEN_STYLE = dict(  # Qwen2-MoE, Qwen3-MoE and OLMoE share names and hub layout
+    block_attr="mlp",
+    router_attr="gate",
+    num_experts_attr="num_experts",
+    renormalize="norm_topk_prob",
+    hub_block_name="mlp",
+    hub_gate="gate_proj",
+    hub_up="up_proj",
+    hub_down="down_proj",
+)
+_GRANITE = dict(
+    block_attr="block_sparse_moe",
+    router_attr="router",
+    router="topk_softmax",
+    hub_block_name="block_sparse_moe",
+    hub_router="router.layer.weight",
+    hub_stacked=("input_linear.weight", "output_linear.weight"),
+)
 
 MOE_SPECS = {
     "mixtral": MoESpec(
         model_type="mixtral",
         block_attr="mlp",
         router_attr="gate",
-        experts_attr="experts",
+        renormalize=True,
         hub_block_name="block_sparse_moe",
         hub_gate="w1",
         hub_up="w3",
         hub_down="w2",
-        num_experts_attr="num_local_experts",
-        top_k_attr="num_experts_per_tok",
-        aux_coef_attr="router_aux_loss_coef",
-        renormalize=True,
     ),
+    "qwen2_moe": MoESpec(
+        model_type="qwen2_moe",
+        **_QWEN_STYLE,
+        intermediate_attr="moe_intermediate_size",
+        shared_expert_attr="shared_expert",
+        shared_gate_attr="shared_expert_gate",
+    ),
+    "qwen3_moe": MoESpec(model_type="qwen3_moe", **_QWEN_STYLE, intermediate_attr="moe_intermediate_size"),
+    "olmoe": MoESpec(model_type="olmoe", **_QWEN_STYLE),
+    # GraniteMoeShared's shared MLP sits on the decoder layer (shared_mlp), outside the MoE block: dense.
+    "granitemoe": MoESpec(model_type="granitemoe", **_GRANITE),
+    "granitemoeshared": MoESpec(model_type="granitemoeshared", **_GRANITE),
 }
 
 
@@ -62,3 +141,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no `model.layers` ModuleList; cannot find decoder layers")
     return layers
+
+
+def decoder_layer_class_name(model: nn.Module) -> str:
+    """The decoder-layer class name, which FSDP1's transformer-based wrap policy needs."""
+    return type(decoder_layers(model)[0]).__name__

@@ -1,7 +1,7 @@
 """The native dropless expert-parallel MoE layer.
 
 One token's trip through a layer:
-  route (fp32 softmax, top-k, renormalise) -> sort token copies by expert -> all-to-all to the ep
+  route (the model's top-k rule, see ``TopKRouter``) -> sort token copies by expert -> all-to-all to the ep
   rank that owns the expert -> grouped GEMM over the local experts -> all-to-all back -> weight by
   the router scores and sum the k copies of each token.
 
@@ -26,17 +26,28 @@ from .mesh import MoEMesh
 
 
 class TopKRouter(nn.Module):
-    """Softmax (in fp32) over experts, top-k, optionally renormalised; Mixtral/Qwen/OLMoE semantics."""
+    """Router logits -> (fp32 softmax over all experts, top-k weights, top-k experts).
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+    ``mode`` is the model table's ``router``: "softmax_topk" (Mixtral, Qwen, OLMoE; renormalised if
+    asked) or "topk_softmax" (Granite: softmax over the k largest logits). The full softmax is
+    returned either way: the load-balancing loss uses it.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, mode: str = "softmax_topk"):
         super().__init__()
+        if mode not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"router mode {mode!r} is unknown; choose 'softmax_topk' or 'topk_softmax'")
         self.top_k = top_k
         self.renormalize = renormalize
+        self.mode = mode
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
+        logits = F.linear(x, self.weight).float()
+        probs = torch.softmax(logits, dim=-1)
+        if self.mode == "topk_softmax":
+            top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)
+            return probs, torch.softmax(top_logits, dim=-1), top_i
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -58,7 +69,8 @@ class ExpertParallelExperts(nn.Module):
     """This rank's experts of one layer, stored fused like transformers 5 does.
 
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors sharded on dim 0 over "ep";
-    the names match transformers' fused layout so state dicts line up with ``MixtralExperts``.
+    the names match transformers' fused layout so state dicts line up with ``MixtralExperts``,
+    ``Qwen2MoeExperts`` and the other fused expert modules of transformers 5.
     """
 
     def __init__(self, num_experts: int, mesh: MoEMesh, act_fn: str):
@@ -129,7 +141,11 @@ class ExpertParallelExperts(nn.Module):
 
 
 class ExpertParallelMoE(nn.Module):
-    """A dropless expert-parallel replacement for a transformers MoE block (``layer.mlp``).
+    """A dropless expert-parallel replacement for a transformers MoE block (``layer.mlp`` and the like).
+
+    The router lives under the model's own attribute name (``router_attr``: "gate", "router") and a
+    shared expert, if the model has one, stays transformers' own module under its own name, so
+    parameter names match the single-process model. ``router`` is the router whatever its name.
 
     While ``record_router`` is on, the forward keeps this layer's router probabilities and choices
     for the load-balancing loss (see ``aux_loss.py``); ``shard_moe`` turns it on at each model
@@ -137,18 +153,50 @@ class ExpertParallelMoE(nn.Module):
     nothing and routes exactly as the first pass did (routing is a pure function of the input).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, mesh, act_fn: str):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        mesh,
+        act_fn: str,
+        *,
+        router_attr: str = "gate",
+        router_mode: str = "softmax_topk",
+    ):
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.router_attr = router_attr
+        setattr(self, router_attr, TopKRouter(hidden_size, num_experts, top_k, renormalize, router_mode))
         self.experts = ExpertParallelExperts(num_experts, mesh, act_fn)
+        self.shared_expert_attr = None
+        self.shared_gate_attr = None
         self.record_router = False
         self.router_probs = None
         self.router_choices = None
 
+    @property
+    def top_k_router(self) -> TopKRouter:
+        return getattr(self, self.router_attr)
+
+    def add_shared_expert(self, attr: str, expert: nn.Module, gate_attr: str | None = None, gate: nn.Module | None = None) -> None:
+        """Add ``expert(x)`` (times ``sigmoid(gate(x))`` if a gate is given) to every token's output."""
+        self.shared_expert_attr = attr
+        setattr(self, attr, expert)
+        if gate is not None:
+            self.shared_gate_attr = gate_attr
+            setattr(self, gate_attr, gate)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        probs, top_w, top_i = self.gate(x)
+        probs, top_w, top_i = self.top_k_router(x)
         if self.record_router:
             self.router_probs, self.router_choices = probs, top_i
-        return self.experts(x, top_i, top_w).reshape(shape)
+        out = self.experts(x, top_i, top_w)
+        if self.shared_expert_attr is not None:
+            shared = getattr(self, self.shared_expert_attr)(x)
+            if self.shared_gate_attr is not None:
+                shared = torch.sigmoid(getattr(self, self.shared_gate_attr)(x)) * shared
+            out = out + shared
+        return out.reshape(shape)

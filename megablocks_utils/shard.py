@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .loading import Checkpoint, expert_layout, hub_to_model_name, is_expert_tensor, load_local_experts
+from .loading import Checkpoint, expert_layout, load_local_experts
 from .mesh import MoEMesh, build_mesh
 from .models import MoESpec, decoder_layers, spec_for
 from .moe_layer import ExpertParallelMoE
@@ -62,9 +62,9 @@ def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device
     loaded = set()
     with torch.no_grad():
         for name in ckpt.names():
-            if is_expert_tensor(name, spec):
+            if spec.is_expert_name(name):
                 continue
-            target = hub_to_model_name(name, spec)
+            target = spec.hub_to_model(name)
             if target not in targets:
                 if "rotary_emb.inv_freq" in target:  # old checkpoints carry it; it is recomputed above
                     continue
@@ -124,8 +124,14 @@ def shard_moe(
             continue
         dtype = getattr(old, spec.router_attr).weight.dtype
         with torch.device("meta" if on_meta else device):
-            new = ExpertParallelMoE(config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act)
+            new = ExpertParallelMoE(
+                config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
+                router_attr=spec.router_attr, router_mode=spec.router,
+            )
         new.to(dtype)
+        if spec.shared_expert_attr is not None:  # transformers' own modules, weights and all
+            gate = getattr(old, spec.shared_gate_attr) if spec.shared_gate_attr else None
+            new.add_shared_expert(spec.shared_expert_attr, getattr(old, spec.shared_expert_attr), spec.shared_gate_attr, gate)
         old_blocks[index] = old
         setattr(layer, spec.block_attr, new)
     if not old_blocks:
@@ -146,7 +152,7 @@ def shard_moe(
     layers = decoder_layers(model)
     for index, old in old_blocks.items():
         new = getattr(layers[index], spec.block_attr)
-        dtype = new.gate.weight.dtype
+        dtype = new.top_k_router.weight.dtype
         gate_up = torch.empty(local, 2 * intermediate, config.hidden_size, dtype=dtype, device=device)
         down = torch.empty(local, config.hidden_size, intermediate, dtype=dtype, device=device)
         with torch.no_grad():
@@ -156,7 +162,7 @@ def shard_moe(
                 old_experts = getattr(old, spec.experts_attr)
                 gate_up.copy_(old_experts.gate_up_proj[mine.start : mine.stop])
                 down.copy_(old_experts.down_proj[mine.start : mine.stop])
-                new.gate.weight.copy_(getattr(old, spec.router_attr).weight)
+                new.top_k_router.weight.copy_(getattr(old, spec.router_attr).weight)
         new.experts.set_weights(_as_expert_dtensor(gate_up, mesh), _as_expert_dtensor(down, mesh))
     if ckpt is not None:
         ckpt.close()

@@ -36,6 +36,50 @@ def tiny_mixtral_config(**overrides):
     return MixtralConfig(**values)
 
 
+# Per-architecture settings on top of the shared tiny sizes; values away from the defaults where a
+# default would hide a difference (Granite's multipliers, Qwen2's dense layer between MoE layers).
+TINY_EXTRAS = {
+    "mixtral": dict(num_local_experts=4),
+    "qwen2_moe": dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        num_hidden_layers=3, mlp_only_layers=[1], intermediate_size=40,
+    ),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    "olmoe": dict(num_experts=4, norm_topk_prob=False, bos_token_id=1, eos_token_id=2),
+    "granitemoe": dict(
+        num_local_experts=4, embedding_multiplier=2.0, logits_scaling=1.5, residual_multiplier=0.7, attention_multiplier=0.2
+    ),
+    "granitemoeshared": dict(
+        num_local_experts=4, shared_intermediate_size=24, embedding_multiplier=2.0, logits_scaling=1.5,
+        residual_multiplier=0.7, attention_multiplier=0.2,
+    ),
+}
+ARCHITECTURES = sorted(TINY_EXTRAS)
+
+
+def tiny_moe_config(model_type: str, **overrides):
+    """A tiny random config of any architecture in the model table (4 experts, top-2)."""
+    from transformers import AutoConfig
+
+    values = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        router_aux_loss_coef=0.02,
+        output_router_logits=True,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    values.update(TINY_EXTRAS[model_type])
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_ranks, tiny_mixtral_config
+from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 
 from megablocks_utils import (
     IGNORE_INDEX,
@@ -15,6 +15,7 @@ from megablocks_utils import (
     expert_parameters,
     router_stats,
     shard_moe,
+    spec_for,
     sync_expert_grads,
 )
 
@@ -37,15 +38,18 @@ def make_batch(vocab: int, batch: int = 4, seq: int = 12):
     return input_ids, mask, labels
 
 
-def check_matches_single_process(rank, world, ep_size, routing, top_k):
-    from transformers import MixtralForCausalLM
+def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mixtral"):
+    from transformers import AutoModelForCausalLM
 
-    config = tiny_mixtral_config(num_experts_per_tok=top_k)
+    config = tiny_moe_config(arch, num_experts_per_tok=top_k)
+    spec = spec_for(config)
     torch.manual_seed(0)
-    reference = MixtralForCausalLM(config).float()
+    reference = AutoModelForCausalLM.from_config(config).float()
     if routing == "collapsed":  # equal router scores: every token picks the same top-k experts
         for layer in reference.model.layers:
-            torch.nn.init.zeros_(layer.mlp.gate.weight)
+            block = getattr(layer, spec.block_attr)
+            if hasattr(block, spec.router_attr):
+                torch.nn.init.zeros_(getattr(block, spec.router_attr).weight)
     model = copy.deepcopy(reference)
     input_ids, mask, labels = make_batch(config.vocab_size)
 
@@ -92,6 +96,20 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k):
 @pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), (2, 2)])
 def test_grads_match_single_process(dp, ep):
     run_ranks(check_matches_single_process, dp * ep, ep, "learned", 2)
+
+
+def check_every_architecture(rank, world, ep_size):
+    for arch in ARCHITECTURES:
+        try:
+            check_matches_single_process(rank, world, ep_size, "learned", 2, arch)
+        except AssertionError as e:
+            raise AssertionError(f"{arch}: {e}") from e
+
+
+@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 2)])
+def test_every_architecture_matches_single_process(dp, ep):
+    """Every row of the model table; one spawn per mesh runs all architectures (spawns are the cost)."""
+    run_ranks(check_every_architecture, dp * ep, ep)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
