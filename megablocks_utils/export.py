@@ -1,9 +1,9 @@
 """Write a Hugging Face checkpoint in hub layout (one tensor per expert), without gathering experts.
 
-Each ep rank of the first dp replica writes its own experts to its own safetensors file (a model whose
-hub layout stacks a layer's experts in one tensor, Granite, gathers one layer at a time to rank 0
-instead); rank 0 writes the dense weights (gathered from FSDP one tensor at a time), the index, the config and the
-tokenizer. The directory appears under its final name only when every file is written.
+Each ep rank of the first dp replica writes its own experts to its own safetensors file (a model
+whose hub layout stacks a layer's experts in one tensor, Granite, gathers one layer at a time to
+rank 0 instead); rank 0 writes the dense weights (gathered from FSDP one tensor at a time), the
+index, the config and the tokenizer. The directory appears under its final name only when every file is written.
 """
 
 import json
@@ -82,7 +82,9 @@ def hub_state_dict(model: nn.Module) -> dict:
         if f".{spec.block_attr}.{spec.experts_attr}." not in name:
             out[dense_hub_name(name, spec)] = value
     for index, layer in enumerate(decoder_layers(model)):
-        experts = getattr(getattr(layer, spec.block_attr), spec.experts_attr)
+        experts = getattr(getattr(layer, spec.block_attr), spec.experts_attr, None)
+        if experts is None:  # a dense layer between MoE layers (Qwen2-MoE's mlp_only_layers)
+            continue
         out.update(expert_hub_tensors(spec, index, 0, experts.gate_up_proj.data, experts.down_proj.data))
     return out
 

@@ -4,7 +4,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from conftest import run_ranks, tiny_mixtral_config
+from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 from torch.distributed.fsdp import fully_shard
 
 from megablocks_utils import (
@@ -13,16 +13,17 @@ from megablocks_utils import (
     expert_parameters,
     router_stats,
     shard_moe,
+    spec_for,
     sync_expert_grads,
 )
 from megablocks_utils.export import export_hf
 
 
-def check_export_round_trip(rank, world, ep_size, out):
-    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+def check_export_round_trip(rank, world, ep_size, out, arch="mixtral"):
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = MixtralForCausalLM(tiny_mixtral_config())
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
     mesh = shard_moe(model, ep_size, device="cpu")
     experts = set(expert_parameters(model))
     for layer in model.model.layers:
@@ -42,7 +43,8 @@ def check_export_round_trip(rank, world, ep_size, out):
     export_hf(model, mesh, out, config=model.config)
     if rank == 0:
         files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
-        assert len(files) == 1 + mesh.ep_size, files
+        # per-expert hub layout: one file per ep rank; stacked (Granite): all experts in one file
+        assert len(files) == (2 if spec_for(model.config).hub_stacked else 1 + mesh.ep_size), files
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         with torch.no_grad():
             torch.testing.assert_close(reloaded(probe).logits, live, rtol=1e-5, atol=1e-6)
@@ -55,3 +57,16 @@ def test_export_from_ep2_round_trips(tmp_path):
 
 def test_export_from_dp2_ep2_round_trips(tmp_path):
     run_ranks(check_export_round_trip, 4, 2, str(tmp_path / "hf"))
+
+
+def check_every_architecture_round_trips(rank, world, out):
+    for arch in ARCHITECTURES:
+        if arch != "mixtral":
+            try:
+                check_export_round_trip(rank, world, 2, f"{out}/{arch}", arch)
+            except AssertionError as e:
+                raise AssertionError(f"{arch}: {e}") from e
+
+
+def test_export_every_architecture_round_trips(tmp_path):
+    run_ranks(check_every_architecture_round_trips, 2, str(tmp_path))

@@ -7,14 +7,14 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import run_ranks, tiny_mixtral_config
+from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_config
 
-from megablocks_utils import load_model
+from megablocks_utils import load_model, spec_for
 from megablocks_utils.export import hub_state_dict, write_shards
 from megablocks_utils.loading import Checkpoint
 from megablocks_utils.mesh import check_ep_size
 
-EXPERT_NAME = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.(w\d)\.weight$")
+EXPERT_NAME = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.\w+\.weight$")
 
 
 def write_checkpoint(path: str, layout: str) -> None:
@@ -46,29 +46,62 @@ def check_local_experts(rank, world, ep_size, path, layout):
 
     with mock.patch.object(Checkpoint, "get", spy_get), mock.patch.object(Checkpoint, "get_rows", spy_get_rows):
         model, mesh = load_model(path, ep_size, device="cpu")
+    spec = spec_for(model.config)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     local = 4 // ep_size
     mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
 
-    expert_reads = [(n, rows) for n, rows in reads if "experts" in n]
+    expert_reads = [(n, rows) for n, rows in reads if spec.is_expert_name(n)]
     assert expert_reads, "no expert tensor was read"
+    stacked = layout == "fused" or spec.hub_stacked is not None  # one tensor per layer: read as row slices
     for name, rows in expert_reads:
-        if layout == "hub":
-            assert rows is None and int(EXPERT_NAME.search(name).group(2)) in mine, f"rank {rank} read {name}"
-        else:
+        if stacked:
             assert rows == (mine.start, mine.stop), f"rank {rank} read rows {rows} of {name}"
-    per_expert = 3 if layout == "hub" else 2 / local  # w1, w2, w3 each; or 2 fused slices per layer
-    assert len(expert_reads) == 2 * local * per_expert  # 2 layers; every local tensor read exactly once
+        else:
+            assert rows is None and int(EXPERT_NAME.search(name).group(2)) in mine, f"rank {rank} read {name}"
+    per_expert = 2 / local if stacked else 3  # gate, up, down each; or 2 stacked slices per layer
+    assert len(expert_reads) == 2 * local * per_expert  # 2 MoE layers; every local tensor read exactly once
 
+    moe_layers = 0
     for i, layer in enumerate(model.model.layers):
-        ref = reference.model.layers[i].mlp
-        got = layer.mlp.experts
-        assert got.gate_up_proj.to_local().shape[0] == local
-        torch.testing.assert_close(got.gate_up_proj.to_local(), ref.experts.gate_up_proj[mine.start : mine.stop], rtol=0, atol=0)
-        torch.testing.assert_close(got.down_proj.to_local(), ref.experts.down_proj[mine.start : mine.stop], rtol=0, atol=0)
-        torch.testing.assert_close(layer.mlp.gate.weight, ref.gate.weight, rtol=0, atol=0)
+        ref = getattr(reference.model.layers[i], spec.block_attr)
+        if not hasattr(ref, spec.experts_attr):  # a dense layer (Qwen2-MoE's mlp_only_layers)
+            continue
+        moe_layers += 1
+        got = getattr(layer, spec.block_attr)
+        assert got.experts.gate_up_proj.to_local().shape[0] == local
+        torch.testing.assert_close(got.experts.gate_up_proj.to_local(), ref.experts.gate_up_proj[mine.start : mine.stop], rtol=0, atol=0)
+        torch.testing.assert_close(got.experts.down_proj.to_local(), ref.experts.down_proj[mine.start : mine.stop], rtol=0, atol=0)
+        torch.testing.assert_close(got.top_k_router.weight, getattr(ref, spec.router_attr).weight, rtol=0, atol=0)
+    assert moe_layers == 2
     ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def check_every_architecture_loads(rank, world, paths):
+    for arch, path in paths.items():
+        try:
+            check_local_experts(rank, world, world, path, "hub")
+        except AssertionError as e:
+            raise AssertionError(f"{arch}: {e}") from e
+
+
+def test_every_architecture_loads_from_hub_layout(tmp_path):
+    """transformers' own save_pretrained writes the hub layout; our exporter's names must be the same."""
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.export import hub_state_dict
+
+    paths = {}
+    for arch in ARCHITECTURES:
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
+        paths[arch] = str(tmp_path / arch)
+        model.save_pretrained(paths[arch], max_shard_size="100KB")
+        saved = json.load(open(os.path.join(paths[arch], "model.safetensors.index.json")))["weight_map"]
+        assert len(set(saved.values())) >= 2, f"{arch}: the test checkpoint must span several files"
+        assert sorted(saved) == sorted(hub_state_dict(model)), f"{arch}: hub names differ from transformers'"
+    run_ranks(check_every_architecture_loads, 2, paths)
 
 
 @pytest.mark.parametrize("layout", ["hub", "fused"])
@@ -129,5 +162,5 @@ def test_unsupported_architecture_lists_supported():
 
     from megablocks_utils import spec_for
 
-    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['mixtral'\]"):
+    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['granitemoe', 'granitemoeshared', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
         spec_for(LlamaConfig())
