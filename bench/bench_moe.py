@@ -68,6 +68,7 @@ def main():
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--profile", default="", help="write a torch.profiler table of 2 measured steps to this file (rank 0)")
     args = p.parse_args()
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -125,7 +126,20 @@ def main():
             torch.cuda.reset_peak_memory_stats()
         generator = torch.Generator(device=device).manual_seed(1 + rank)
         times = []
+        profiler = None
         for step in range(args.warmup + args.steps):
+            if args.profile and step == args.warmup:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+                )
+                profiler.__enter__()
+            if profiler is not None and step == args.warmup + 2:
+                profiler.__exit__(None, None, None)
+                if rank == 0:
+                    sort = "cuda_time_total" if cuda else "cpu_time_total"
+                    with open(args.profile, "w") as f:
+                        f.write(profiler.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+                profiler = None
             batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device=device, generator=generator)
                        for _ in range(args.grad_accum)]
             if cuda:
