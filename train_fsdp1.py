@@ -75,6 +75,7 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
     weight_checksums,
 )
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
+from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
@@ -354,6 +355,9 @@ if not trainer.is_fsdp_enabled or plugin is None or plugin.fsdp_version != 1:
 if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
     fail("accelerate.yaml must set fsdp_state_dict_type: SHARDED_STATE_DICT (a full state dict would gather every expert on rank 0)")
 plugin.ignored_modules = [block.experts for block in moe_blocks(model)]
+# Wrap the model's own decoder-layer class (any architecture of megablocks_utils/models.py), not the
+# one accelerate.yaml names.
+plugin.transformer_cls_names_to_wrap = [decoder_layer_class_name(model)]
 if args.bf16:  # bf16 compute with fp32 gradient reduction and fp32 buffers (rotary frequencies), as train_fsdp2.py
     from torch.distributed.fsdp import MixedPrecision
 

@@ -1,0 +1,42 @@
+"""Both training scripts take a non-Mixtral model from the table (Qwen2-MoE, with its shared expert)."""
+
+import json
+import os
+
+from conftest import ROOT, read_jsonl, run_script, tiny_moe_config
+from test_train_fsdp1 import accelerate_launch, assert_same_steps, readme_command
+
+STEPS = ["--max_steps", "2", "--gradient_accumulation_steps", "2", "--warmup_steps", "1", "--per_device_train_batch_size", "2"]
+
+
+def make_model_dir(path: str, data_path: str, model_type: str) -> None:
+    """A tiny random model of ``model_type`` as transformers saves it (hub layout), with a tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.tiny_model import train_tokenizer
+
+    tokenizer = train_tokenizer(data_path)
+    config = tiny_moe_config(
+        model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="200KB")
+    tokenizer.save_pretrained(path)
+
+
+def test_qwen2_moe_trains_the_same_in_both_scripts(tmp_path):
+    """train_fsdp1 wraps Qwen2MoeDecoderLayer (not accelerate.yaml's Mixtral class) and equals train_fsdp2."""
+    with open(os.path.join(ROOT, "data.json")) as f:
+        (tmp_path / "data.json").write_text(json.dumps(json.load(f)[:16]))
+    model_dir = str(tmp_path / "tiny-qwen2-moe")
+    make_model_dir(model_dir, str(tmp_path / "data.json"), "qwen2_moe")
+    model = ["--model_name_or_path", model_dir, "--data_path", str(tmp_path / "data.json"), "--ep_size", "2"]
+    fsdp2 = run_script("train_fsdp2.py", 2, *model, "--output_dir", str(tmp_path / "fsdp2"), *STEPS)
+    assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
+    accelerate_launch(readme_command(), *model, "--output_dir", str(tmp_path / "fsdp1"), *STEPS)
+    fsdp1_records = read_jsonl(str(tmp_path / "fsdp1" / "metrics.jsonl"))
+    fsdp2_records = read_jsonl(str(tmp_path / "fsdp2" / "metrics.jsonl"))
+    assert len(fsdp2_records) == 2
+    assert_same_steps(fsdp1_records, fsdp2_records, rel=1e-5)
