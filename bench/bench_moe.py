@@ -65,6 +65,7 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
+    p.add_argument("--fused_adamw", action="store_true", help="torch.optim.AdamW(fused=True) instead of foreach")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -94,7 +95,7 @@ def main():
         "config": args.config, "gpus": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
-        "activation_checkpointing": args.ac, "date": date.today().isoformat(), "torch": torch.__version__,
+        "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw, "date": date.today().isoformat(), "torch": torch.__version__,
         "dense_gemm_tflops": gemm,
     }
     try:
@@ -120,7 +121,7 @@ def main():
         groups = [{"params": [q for q in model.parameters() if q not in experts]}]
         if experts:
             groups.append({"params": list(experts)})
-        optimizer = torch.optim.AdamW(groups, lr=1e-5)
+        optimizer = torch.optim.AdamW(groups, lr=1e-5, **({"fused": True} if args.fused_adamw else {}))
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
