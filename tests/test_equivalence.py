@@ -93,11 +93,6 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
         assert (stats.tokens_per_expert == 0).any()
 
 
-@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), (2, 2)])
-def test_grads_match_single_process(dp, ep):
-    run_ranks(check_matches_single_process, dp * ep, ep, "learned", 2)
-
-
 def check_every_architecture(rank, world, ep_size):
     for arch in ARCHITECTURES:
         try:
@@ -106,9 +101,10 @@ def check_every_architecture(rank, world, ep_size):
             raise AssertionError(f"{arch}: {e}") from e
 
 
-@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), (2, 2)])
 def test_every_architecture_matches_single_process(dp, ep):
-    """Every row of the model table; one spawn per mesh runs all architectures (spawns are the cost)."""
+    """Every row of the model table (Mixtral included) on meshes (1,2), (2,1), (2,2); one spawn per mesh
+    runs all architectures (spawns are the cost)."""
     run_ranks(check_every_architecture, dp * ep, ep)
 
 
