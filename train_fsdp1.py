@@ -77,6 +77,7 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
+from megablocks_utils.tiny_model import ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 training_fields = dataclasses.fields(TrainingArguments)
@@ -158,13 +159,7 @@ if os.path.exists(metrics_path) and not overwrite_output_dir and resume is None:
          "--resume_from_checkpoint, or pass --overwrite_output_dir true")
 
 # ----------------------------------------------------------------------------- model and data
-if model_name_or_path == "tiny-mixtral" and not os.path.isdir(model_name_or_path):
-    if master:  # the embedded default: made once, locally, deterministically
-        from megablocks_utils.tiny_model import make_tiny_mixtral
-
-        print("creating the embedded tiny Mixtral in ./tiny-mixtral", flush=True)
-        make_tiny_mixtral(model_name_or_path, data_path)
-    dist.barrier()
+ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
 try:
     from transformers import AutoConfig, AutoTokenizer
 

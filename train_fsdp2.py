@@ -59,6 +59,7 @@ from megablocks_utils.data import DataError, GlobalBatches, build_dataset, colla
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
 from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
+from megablocks_utils.tiny_model import ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 try:
@@ -112,13 +113,7 @@ except CheckpointError as e:
     fail(e)
 
 # ----------------------------------------------------------------------------- model and data
-if model_name_or_path == "tiny-mixtral" and not os.path.isdir(model_name_or_path):
-    if master:  # the embedded default: made once, locally, deterministically
-        from megablocks_utils.tiny_model import make_tiny_mixtral
-
-        print("creating the embedded tiny Mixtral in ./tiny-mixtral", flush=True)
-        make_tiny_mixtral(model_name_or_path, data_path)
-    dist.barrier()
+ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
 try:
     from transformers import AutoConfig, AutoTokenizer, get_scheduler
 

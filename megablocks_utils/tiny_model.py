@@ -75,3 +75,18 @@ def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: in
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, out_dir)
+
+
+DEFAULT_NAME = "tiny-mixtral"
+
+
+def ensure_default_model(model_name_or_path: str, data_path: str) -> None:
+    """Collective: create the embedded default on first use (rank 0 writes it, the others wait)."""
+    import torch.distributed as dist
+
+    if model_name_or_path != DEFAULT_NAME or os.path.isdir(model_name_or_path):
+        return
+    if dist.get_rank() == 0:
+        print(f"creating the embedded tiny Mixtral in ./{DEFAULT_NAME}", flush=True)
+        make_tiny_mixtral(model_name_or_path, data_path)
+    dist.barrier()

@@ -16,24 +16,7 @@ if ROOT not in sys.path:
 
 
 def tiny_mixtral_config(**overrides):
-    from transformers import MixtralConfig
-
-    values = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=128,
-        router_aux_loss_coef=0.02,
-        output_router_logits=True,
-        pad_token_id=0,
-    )
-    values.update(overrides)
-    return MixtralConfig(**values)
+    return tiny_moe_config("mixtral", **overrides)
 
 
 # Per-architecture settings on top of the shared tiny sizes; values away from the defaults where a
