@@ -51,6 +51,7 @@ from megablocks_utils import (  # noqa: E402  (settings first, so they read like
     clip_grad_norm_,
     expert_parameters,
     load_model,
+    reuse_expert_casts,
     router_stats,
     sync_expert_grads,
 )
@@ -210,19 +211,21 @@ for step in range(start_step, total_steps):
     # Per-step accumulators: [ce sum, aux, real tokens, padded token slots] (summed over ranks below).
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     tokens_per_expert = 0
-    for i, indices in enumerate(micro_batches):
-        # Gradients are reduced once, on the last micro-step, not after every micro-batch.
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        stats = router_stats(model, batch["attention_mask"], world_group)
-        ce_sum = causal_lm_loss_sum(out.logits, batch["labels"])
-        # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
-        loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
-        loss.backward()
-        sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                             batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double()])
-        tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
+    # Expert weights are cast to bf16 once per optimizer step, not again at every micro-step.
+    with reuse_expert_casts(model):
+        for i, indices in enumerate(micro_batches):
+            # Gradients are reduced once, on the last micro-step, not after every micro-batch.
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            stats = router_stats(model, batch["attention_mask"], world_group)
+            ce_sum = causal_lm_loss_sum(out.logits, batch["labels"])
+            # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
+            loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
+            loss.backward()
+            sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
+                                 batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double()])
+            tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
     sync_expert_grads(model, mesh)
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     if not math.isfinite(float(grad_norm)):

@@ -66,6 +66,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--fused_adamw", action="store_true", help="torch.optim.AdamW(fused=True) instead of foreach")
+    p.add_argument("--reuse_casts", action="store_true", help="(ep) cast expert weights to bf16 once per optimizer step")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -75,7 +76,16 @@ def main():
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from megablocks_utils import causal_lm_loss_sum, expert_parameters, router_stats, shard_moe, sync_expert_grads
+    from contextlib import nullcontext
+
+    from megablocks_utils import (
+        causal_lm_loss_sum,
+        expert_parameters,
+        reuse_expert_casts,
+        router_stats,
+        shard_moe,
+        sync_expert_grads,
+    )
     from megablocks_utils.grads import clip_grad_norm_
 
     cuda = torch.cuda.is_available()
@@ -95,7 +105,8 @@ def main():
         "config": args.config, "gpus": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
-        "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw, "date": date.today().isoformat(), "torch": torch.__version__,
+        "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
+        "reuse_casts": args.reuse_casts, "date": date.today().isoformat(), "torch": torch.__version__,
         "dense_gemm_tflops": gemm,
     }
     try:
@@ -146,14 +157,15 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            for i, ids in enumerate(batches):
-                model.set_requires_gradient_sync(i == len(batches) - 1)
-                logits = model(input_ids=ids).logits
-                loss = causal_lm_loss_sum(logits, ids) / (ids.numel() * len(batches))
-                if args.config == "ep":
-                    loss = world * loss + world * 0.02 * router_stats(model, None, mesh.world.get_group()).local / len(batches)
-                loss.backward()
-                del logits, loss
+            with reuse_expert_casts(model) if args.reuse_casts else nullcontext():
+                for i, ids in enumerate(batches):
+                    model.set_requires_gradient_sync(i == len(batches) - 1)
+                    logits = model(input_ids=ids).logits
+                    loss = causal_lm_loss_sum(logits, ids) / (ids.numel() * len(batches))
+                    if args.config == "ep":
+                        loss = world * loss + world * 0.02 * router_stats(model, None, mesh.world.get_group()).local / len(batches)
+                    loss.backward()
+                    del logits, loss
             if args.config == "ep":
                 sync_expert_grads(model, mesh)
             clip_grad_norm_(model.parameters(), 1.0)

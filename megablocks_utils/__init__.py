@@ -5,7 +5,7 @@ from .grads import clip_grad_norm_, sync_expert_grads
 from .loss import IGNORE_INDEX, causal_lm_loss_sum, count_label_tokens
 from .mesh import MoEMesh, build_mesh
 from .models import MOE_SPECS, MoESpec, decoder_layers, spec_for
-from .moe_layer import ExpertParallelExperts, ExpertParallelMoE, TopKRouter
+from .moe_layer import ExpertParallelExperts, ExpertParallelMoE, TopKRouter, reuse_expert_casts
 from .shard import expert_parameters, load_model, moe_blocks, shard_moe
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "expert_parameters",
     "load_model",
     "moe_blocks",
+    "reuse_expert_casts",
     "router_stats",
     "shard_moe",
     "spec_for",

@@ -11,6 +11,8 @@ shard. Their gradient is therefore this ep group's contribution only: ``sync_exp
 ``grads.py`` sums it over dp and scales it the way FSDP scales dense gradients.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,19 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=offs)  # the same kernel under its older name
 
 
+class _ReuseCast(torch.autograd.Function):
+    """``weight.to(low.dtype)`` whose value was computed earlier (``low``); the backward is the cast's."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.weight_dtype = weight.dtype
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.weight_dtype), None
+
+
 class ExpertParallelExperts(nn.Module):
     """This rank's experts of one layer, stored fused like transformers 5 does.
 
@@ -80,6 +95,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_local_experts = num_experts // mesh.ep_size
         self.act_fn = ACT2FN[act_fn]
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
+        self.cast_cache = None  # {dtype: (gate_up, down)} while inside ``reuse_expert_casts``
 
     def set_weights(self, gate_up_proj: DTensor, down_proj: DTensor) -> None:
         self.gate_up_proj = nn.Parameter(gate_up_proj)
@@ -89,7 +105,13 @@ class ExpertParallelExperts(nn.Module):
         w_gate_up, w_down = self.gate_up_proj, self.down_proj
         if isinstance(w_gate_up, DTensor):
             w_gate_up, w_down = w_gate_up.to_local(), w_down.to_local()
-        return w_gate_up.to(dtype), w_down.to(dtype)
+        if self.cast_cache is None or w_gate_up.dtype == dtype:
+            return w_gate_up.to(dtype), w_down.to(dtype)
+        if dtype not in self.cast_cache:
+            with torch.no_grad():
+                self.cast_cache[dtype] = (w_gate_up.to(dtype), w_down.to(dtype))
+        low_gate_up, low_down = self.cast_cache[dtype]
+        return _ReuseCast.apply(w_gate_up, low_gate_up), _ReuseCast.apply(w_down, low_down)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert."""
@@ -136,8 +158,10 @@ class ExpertParallelExperts(nn.Module):
             source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
             out = all_to_all_single_autograd(source_major, send_splits, recv_splits, group)
 
-        weighted = (out * top_w.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-        return torch.zeros_like(x).index_add(0, token_of_copy, weighted)
+        # Back to token-major order (row t * k + j is token t's j-th copy), then one batched product
+        # weights and sums each token's k copies: no atomics, no [T * k, H] temporary in fp32.
+        per_copy = torch.empty_like(out).index_copy(0, order, out).view(num_tokens, k, -1)
+        return torch.bmm(top_w.to(out.dtype).unsqueeze(1), per_copy).squeeze(1).to(x.dtype)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -200,3 +224,22 @@ class ExpertParallelMoE(nn.Module):
                 shared = torch.sigmoid(getattr(self, self.shared_gate_attr)(x)) * shared
             out = out + shared
         return out.reshape(shape)
+
+
+@contextmanager
+def reuse_expert_casts(model: nn.Module):
+    """Cast each local expert weight to the compute dtype once inside this block, not at every forward.
+
+    Meant around one optimizer step's micro-steps: without it, every micro-step's forward (and its
+    recomputation under activation checkpointing) casts the fp32 expert weights to bf16 again. The
+    weights must not change inside the block; the copies are dropped when it ends. Costs one bf16
+    copy of this rank's expert weights for the duration.
+    """
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    for m in experts:
+        m.cast_cache = {}
+    try:
+        yield
+    finally:
+        for m in experts:
+            m.cast_cache = None
