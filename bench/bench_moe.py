@@ -67,6 +67,7 @@ def main():
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--fused_adamw", action="store_true", help="torch.optim.AdamW(fused=True) instead of foreach")
     p.add_argument("--reuse_casts", action="store_true", help="(ep) cast expert weights to bf16 once per optimizer step")
+    p.add_argument("--no_compile", action="store_true", help="(ep) eager element-wise steps in the MoE layer (no torch.compile)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -81,6 +82,7 @@ def main():
     from megablocks_utils import (
         causal_lm_loss_sum,
         expert_parameters,
+        moe_blocks,
         reuse_expert_casts,
         router_stats,
         shard_moe,
@@ -106,7 +108,8 @@ def main():
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
-        "reuse_casts": args.reuse_casts, "date": date.today().isoformat(), "torch": torch.__version__,
+        "reuse_casts": args.reuse_casts,
+        "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "dense_gemm_tflops": gemm,
     }
     try:
@@ -118,6 +121,8 @@ def main():
         if args.config == "ep":
             mesh = shard_moe(model, world, device=device)
             experts = set(expert_parameters(model))
+            for block in moe_blocks(model):
+                block.experts.compile_elementwise = not args.no_compile
             fsdp_mesh = mesh.world
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -151,6 +156,8 @@ def main():
                     sort = "cuda_time_total" if cuda else "cpu_time_total"
                     with open(args.profile, "w") as f:
                         f.write(profiler.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+                        f.write("\n\nBy self time:\n")
+                        f.write(profiler.key_averages().table(sort_by="self_" + sort, row_limit=60, max_name_column_width=90))
                 profiler = None
             batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device=device, generator=generator)
                        for _ in range(args.grad_accum)]

@@ -1,24 +1,37 @@
 #!/usr/bin/env bash
-# One device call for the performance issue: GPU correctness of the layer, then the L-layer
-# Mixtral-width benchmark on all GPUs: (a) eager, (b) grouped_mm, (c) ours before the change (code in
-# $BASE, a copy of the previous commit), ours after without and with --reuse_casts (+ a profile).
-# Usage: bash bench/gpu_perf_suite.sh OUT_DIR [LAYERS] [BASE_DIR]
+# One device call for the performance issue: GPU correctness of the MoE layer, then the L-layer
+# Mixtral-width benchmark on all GPUs of the machine.
+#   table (TABLE=1):  (a) eager, (b) grouped_mm, (c) ours with every kept lever
+#   levers (LEVERS=1): ours with levers switched off one at a time, and with $BASE's code (a copy of an
+#                      earlier commit) when BASE is set
+#   parity (PARITY=1): bench/gpu_parity.sh (train_fsdp2 ep=2 vs ep=1 on the tiny model, fp32 and bf16)
+# Usage: [TABLE=1] [LEVERS=1] [PARITY=1] [BASE=dir] bash bench/gpu_perf_suite.sh OUT_DIR [LAYERS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?output dir}; layers=${2:-8}; base=${3:-}
+out=${1:?output dir}; layers=${2:-8}
 gpus=$(nvidia-smi -L | wc -l)
 run() { echo "== $(date +%T) $*"; "$@"; }
-run torchrun --standalone --nproc_per_node=1 bench/gpu_layer_check.py 2>&1 | tail -n 15
+run torchrun --standalone --nproc_per_node=1 bench/gpu_layer_check.py 2>&1 | grep -vi warn | tail -n 8
 common="--layers $layers --grad_accum 4 --steps 10 --warmup 3 --fused_adamw"
 bench="torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py $common"
 table=$out/h200x${gpus}_L${layers}.jsonl
 levers=$out/levers_h200x${gpus}_L${layers}.jsonl
-run $bench --config eager --out $table 2>&1 | grep -E '^\{|Error' 
-run $bench --config grouped_mm --out $table 2>&1 | grep -E '^\{|Error'
-if [ -n "$base" ]; then
-  (cd "$base" && run torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py $common --config ep --out $levers 2>&1 | grep -E '^\{|Error')
+keep() { grep -E '^\{|Error|error'; }
+if [ "${TABLE:-0}" = 1 ]; then
+  run $bench --config eager --out $table 2>&1 | keep
+  run $bench --config grouped_mm --out $table 2>&1 | keep
+  run $bench --config ep --reuse_casts --out $table --profile $out/profile_ep_h200x${gpus}_L${layers}.txt 2>&1 | keep
 fi
-run $bench --config ep --out $levers 2>&1 | grep -E '^\{|Error'
-run $bench --config ep --reuse_casts --out $levers --profile $out/profile_ep_h200x${gpus}_L${layers}.txt 2>&1 | grep -E '^\{|Error'
-tail -n 1 $levers >> $table
+if [ "${LEVERS:-0}" = 1 ]; then
+  if [ -n "${BASE:-}" ]; then
+    (cd "$BASE" && run torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py $common --config ep --out $levers 2>&1 | keep)
+  fi
+  run $bench --config ep --no_compile --out $levers 2>&1 | keep
+  run $bench --config ep --no_compile --reuse_casts --out $levers 2>&1 | keep
+  run $bench --config ep --reuse_casts --out $levers --profile $out/profile_levers.txt 2>&1 | keep
+  run $bench --config ep --reuse_casts --micro_batch 2 --grad_accum 2 --out $levers 2>&1 | keep
+fi
+if [ "${PARITY:-0}" = 1 ]; then
+  run bash bench/gpu_parity.sh /tmp/parity 2>&1 | tail -n 12
+fi
 echo "== $(date +%T) done"

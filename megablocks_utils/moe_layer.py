@@ -11,6 +11,7 @@ shard. Their gradient is therefore this ep group's contribution only: ``sync_exp
 ``grads.py`` sums it over dp and scales it the way FSDP scales dense gradients.
 """
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -67,6 +68,25 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=offs)  # the same kernel under its older name
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the fused [rows, 2I] projection: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each expert output row times its fp32 router weight (the product in fp32, as transformers does)."""
+    return (out * weights.unsqueeze(-1)).to(dtype)
+
+
+@functools.cache
+def _fused(fn):
+    """``fn`` compiled: on CUDA its element-wise steps run as one generated kernel each way (forward and
+    backward) instead of several passes over [tokens * k, 2I] or [tokens * k, H]. Row counts change
+    every step, hence dynamic shapes. Compiled on first use, so CPU runs never load the compiler."""
+    return torch.compile(fn, dynamic=True)
+
+
 class _ReuseCast(torch.autograd.Function):
     """``weight.to(low.dtype)`` whose value was computed earlier (``low``); the backward is the cast's."""
 
@@ -96,6 +116,11 @@ class ExpertParallelExperts(nn.Module):
         self.act_fn = ACT2FN[act_fn]
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
         self.cast_cache = None  # {dtype: (gate_up, down)} while inside ``reuse_expert_casts``
+        self.is_silu = act_fn == "silu"
+        self.compile_elementwise = True  # fused (torch.compile) SiLU*up and router weighting on CUDA
+
+    def fuse_elementwise(self, t: torch.Tensor) -> bool:
+        return self.compile_elementwise and t.is_cuda
 
     def set_weights(self, gate_up_proj: DTensor, down_proj: DTensor) -> None:
         self.gate_up_proj = nn.Parameter(gate_up_proj)
@@ -118,8 +143,13 @@ class ExpertParallelExperts(nn.Module):
         w_gate_up, w_down = self._local_weights(x.dtype)
         if grouped_mm_supported(x) and not self.force_loop:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            gate, up = _grouped_mm(x, w_gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
-            return _grouped_mm(self.act_fn(gate) * up, w_down.transpose(-2, -1), offs)
+            gate_up = _grouped_mm(x, w_gate_up.transpose(-2, -1), offs)
+            if self.fuse_elementwise(gate_up) and self.is_silu:
+                hidden = _fused(_silu_mul)(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = self.act_fn(gate) * up
+            return _grouped_mm(hidden, w_down.transpose(-2, -1), offs)
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
             gate, up = F.linear(rows, w_gate_up[e]).chunk(2, dim=-1)
@@ -158,10 +188,9 @@ class ExpertParallelExperts(nn.Module):
             source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
             out = all_to_all_single_autograd(source_major, send_splits, recv_splits, group)
 
-        # Back to token-major order (row t * k + j is token t's j-th copy), then one batched product
-        # weights and sums each token's k copies: no atomics, no [T * k, H] temporary in fp32.
-        per_copy = torch.empty_like(out).index_copy(0, order, out).view(num_tokens, k, -1)
-        return torch.bmm(top_w.to(out.dtype).unsqueeze(1), per_copy).squeeze(1).to(x.dtype)
+        weights = top_w.reshape(-1)[order]
+        weigh = _fused(_weigh) if self.fuse_elementwise(out) else _weigh
+        return torch.zeros_like(x).index_add(0, token_of_copy, weigh(out, weights, x.dtype))
 
 
 class ExpertParallelMoE(nn.Module):
