@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 out=${1:?output dir}; layers=${2:-8}
 gpus=$(nvidia-smi -L | wc -l)
 run() { echo "== $(date +%T) $*"; "$@"; }
-run torchrun --standalone --nproc_per_node=1 bench/gpu_layer_check.py 2>&1 | grep -vi warn | tail -n 8
+run torchrun --standalone --nproc_per_node=1 bench/gpu_layer_check.py 2>&1 | grep -E "rel|bound|Error|error|torch "
 common="--layers $layers --grad_accum 4 --steps 10 --warmup 3 --fused_adamw"
 bench="torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py $common"
 table=$out/h200x${gpus}_L${layers}.jsonl
