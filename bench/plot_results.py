@@ -1,7 +1,7 @@
 """Chart and table of bench_moe.py results: tokens/s per GPU and peak memory per configuration.
 
     python bench/plot_results.py bench/results/h200x2_L4.jsonl    (writes the .png beside it)
-Needs matplotlib (not a dependency of the training suite).
+Needs matplotlib (in requirements.txt for `python -m megablocks_utils.plot`; the training scripts never import it).
 """
 
 import json

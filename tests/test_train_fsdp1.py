@@ -175,6 +175,15 @@ def test_resume_from_mid_run_checkpoint_repeats_later_losses(runs):
     assert_same_steps(metrics(resumed), later, rel=1e-7)
 
 
+def test_plot_command_draws_a_trainer_run(runs):
+    from test_plot import assert_real_pictures, plot_command
+
+    out = str(runs["tmp"] / "plots")
+    result = plot_command(runs["fsdp1"], "--out_dir", out)
+    assert result.returncode == 0, result.stderr
+    assert_real_pictures(out)
+
+
 def test_launch_without_accelerate_fsdp_config_stops(tiny_model_dir, tmp_path):
     result = run_script("train_fsdp1.py", 1, "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), timeout=120)
     assert result.returncode != 0
