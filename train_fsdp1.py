@@ -205,8 +205,8 @@ class StepMetrics(TrainerCallback):
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         dist.all_reduce(self.sums, group=world_group)
-        step_time = time.perf_counter() - self.start
         ce_sum, aux_loss, real_tokens, slots = (float(x) for x in self.sums)
+        step_time = time.perf_counter() - self.start  # after float(): the GPU has finished the optimizer step too
         ce_loss = ce_sum / self.label_tokens
         self.total_tokens += real_tokens
         flops = flops_per_token(n_active, config, slots / batches.per_step) * slots

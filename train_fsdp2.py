@@ -234,8 +234,8 @@ for step in range(start_step, total_steps):
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(sums, group=world_group)
-    step_time = time.perf_counter() - step_start
     ce_loss, aux_loss, real_tokens, slots = (float(x) for x in sums)
+    step_time = time.perf_counter() - step_start  # after float(): the GPU has finished the optimizer step too
     ce_loss /= step_label_tokens
     total_tokens_seen += real_tokens
     seq_len = slots / (batches.per_step)

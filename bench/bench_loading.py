@@ -34,15 +34,19 @@ def drop_page_cache() -> bool:
         return False
 
 
-def write(directory: str, layers: int, hidden: int, intermediate: int) -> None:
+def write(directory: str, layers: int, hidden: int, intermediate: int, **config_overrides) -> None:
+    """The checkpoint (safetensors, index, config.json last); ``config_overrides`` go to ``MixtralConfig``."""
     from transformers import MixtralConfig
 
     from safetensors.torch import save_file
 
     from megablocks_utils.export import expert_hub_names, write_index
+    from megablocks_utils.models import MOE_SPECS
 
+    spec = MOE_SPECS["mixtral"]
     config = MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
-                           num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512), dtype="bfloat16")
+                           num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512), dtype="bfloat16",
+                           **config_overrides)
     h, i, e, v = config.hidden_size, config.intermediate_size, config.num_local_experts, config.vocab_size
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
     os.makedirs(directory, exist_ok=True)
@@ -60,7 +64,7 @@ def write(directory: str, layers: int, hidden: int, intermediate: int) -> None:
         }
         expert = rand(i, h)  # one random block reused: content does not matter for read speed
         for x in range(e):
-            gate, up, down = expert_hub_names(MOE_SPEC, layer, x)
+            gate, up, down = expert_hub_names(spec, layer, x)
             tensors.update({gate: expert.clone(), up: expert.clone(), down: expert.t().contiguous()})
         files.append(tensors)
     weight_map, total = {}, 0
@@ -122,9 +126,6 @@ def load(directory: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    from megablocks_utils.models import MOE_SPECS
-
-    MOE_SPEC = MOE_SPECS["mixtral"]
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["write", "load"])
     parser.add_argument("--dir", required=True)

@@ -7,6 +7,7 @@ Configurations (same global batch, same model width, bf16 compute with fp32 mast
   grouped_mm  FSDP2 over all ranks, transformers' experts with experts_implementation="grouped_mm"
   ep          ours: shard_moe (ep = all ranks, native backend) + FSDP2 on the dense weights
 Weights are random, created on the GPUs (no checkpoint). Appends one JSON line per run to --out.
+Configuration (d), FSDP1 + EP through HF Trainer (train_fsdp1.py itself), is bench/bench_fsdp1.py.
 
 FLOPs: Megatron-LM's formula for a gated MoE transformer, per token (forward + backward):
   12 L H^2 [ (1 + G/A + S/H) + (F/H) k 3/2 ] + 6 H V

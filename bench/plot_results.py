@@ -1,12 +1,19 @@
-"""Chart and table of bench_moe.py results: tokens/s per GPU and peak memory per configuration.
+"""Chart and table of bench_moe.py and bench_fsdp1.py results: tokens/s per GPU and peak memory per configuration.
 
     python bench/plot_results.py bench/results/h200x2_L4.jsonl    (writes the .png beside it)
-Needs matplotlib (in requirements.txt for `python -m megablocks_utils.plot`; the training scripts never import it).
+The table needs nothing; the chart needs matplotlib (in requirements.txt; the training scripts never import it).
 """
 
 import json
 import sys
 
+CONFIGS = {  # config name -> (label, bar colour), in the order of the issue's list
+    "eager": ("(a) FSDP2, transformers eager experts", "#999"),
+    "grouped_mm": ("(b) FSDP2, transformers grouped_mm experts", "#69c"),
+    "ep": ("(c) ours: FSDP2 + EP (bench_moe.py)", "#e63"),
+    "fsdp1_ep": ("(d) ours: FSDP1 + EP, Trainer path (train_fsdp1.py)", "#c39"),
+    "fsdp2_ep_script": ("ours: FSDP2 + EP, train_fsdp2.py on the same input as (d)", "#f96"),
+}
 ANCHORS = [  # published numbers to print beside ours (different hardware, models and batches)
     "original README (8xA100-80GB, Mixtral-8x7B): FSDP2-only 0.033 steps/s, megablocks 0.117 steps/s",
     "successor plugin (8xA100-80GB, Mixtral-8x7B): FSDP-only 80 tokens/s/GPU, ScatterMoE EP 414",
@@ -14,37 +21,52 @@ ANCHORS = [  # published numbers to print beside ours (different hardware, model
 ]
 
 
+def memory(r: dict) -> str:
+    if "peak_allocated_gib" in r:
+        return f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f}"
+    return f"RSS {r['peak_rss_gib']:.1f}" if "peak_rss_gib" in r else ""
+
+
 def main(path: str) -> None:
-    import matplotlib
+    rows = [json.loads(line) for line in open(path)]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    base = {r["config"]: r for r in ok}  # the last ok record of each configuration
+    print("| config | GPUs | step (s) | tokens/s/GPU | TFLOPS/GPU | MFU (989) | MFU vs measured GEMM | peak alloc / reserved GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        label = CONFIGS.get(r["config"], (r["config"],))[0]
+        if r.get("status") != "ok":
+            print(f"| {label} | {r['gpus']} | {r['status']}: {r.get('error', '')} | | | | | |")
+            continue
+        vs_gemm = f"{r['mfu_vs_dense_gemm']:.1%}" if r.get("mfu_vs_dense_gemm") else "n/a"
+        print(f"| {label} | {r['gpus']} | {r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | "
+              f"{r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {vs_gemm} | {memory(r)} |")
+    for ours, others in (("ep", ("eager", "grouped_mm")), ("fsdp1_ep", ("eager", "grouped_mm", "ep", "fsdp2_ep_script"))):
+        for other in others:
+            if ours in base and other in base:
+                ratio = base[ours]["tokens_per_s_per_gpu"] / base[other]["tokens_per_s_per_gpu"]
+                print(f"{ours} / {other}: {ratio:.2f}x tokens/s")
+    for line in ANCHORS:
+        print("anchor:", line)
+    try:
+        import matplotlib
+    except ImportError:
+        print("no chart: matplotlib is not installed")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(path)]
-    ok = [r for r in rows if r.get("status") == "ok"]
-    base = {r["config"]: r for r in ok}
-    print("| config | GPUs | step (s) | tokens/s/GPU | TFLOPS/GPU | MFU (989) | MFU vs measured GEMM | peak alloc / reserved GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        if r.get("status") != "ok":
-            print(f"| {r['config']} | {r['gpus']} | {r['status']}: {r.get('error', '')} | | | | | |")
-            continue
-        print(f"| {r['config']} | {r['gpus']} | {r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | "
-              f"{r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {r['mfu_vs_dense_gemm']:.1%} | "
-              f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
-    if "ep" in base:
-        for other in ("eager", "grouped_mm"):
-            if other in base:
-                ratio = base["ep"]["tokens_per_s_per_gpu"] / base[other]["tokens_per_s_per_gpu"]
-                print(f"ep / {other}: {ratio:.2f}x tokens/s")
-    for line in ANCHORS:
-        print("anchor:", line)
-
+    ok = [r for r in base.values() if "peak_allocated_gib" in r]
+    if not ok:
+        print("no chart: no GPU record")
+        return
     names = [r["config"] for r in ok]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax1.bar(names, [r["tokens_per_s_per_gpu"] for r in ok], color=["#999", "#69c", "#e63"][: len(ok)])
+    colors = [CONFIGS.get(n, ("", "#666"))[1] for n in names]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9 + len(ok) - 3, 3.5))
+    ax1.bar(names, [r["tokens_per_s_per_gpu"] for r in ok], color=colors)
     ax1.set_ylabel("tokens / s / GPU")
-    ax2.bar(names, [r["peak_allocated_gib"] for r in ok], color=["#999", "#69c", "#e63"][: len(ok)])
+    ax2.bar(names, [r["peak_allocated_gib"] for r in ok], color=colors)
     ax2.set_ylabel("peak allocated GiB / GPU")
     r0 = ok[0]
     fig.suptitle(f"{r0['gpus']}x {r0['device']}, Mixtral width, {r0['layers']} layers, seq {r0['seq']}, "
