@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the performance issue: GPU correctness of the MoE layer, then the L-layer
 # Mixtral-width benchmark on all GPUs of the machine.
-#   table (TABLE=1):  (a) eager, (b) grouped_mm, (c) ours with every kept lever
+#   table (TABLE=1):  (a) eager, (b) grouped_mm, (c) ours with every kept lever, 2 sequences x 2 micro-steps
+#                     per GPU (and ours also 4 x 1)
 #   levers (LEVERS=1): ours with levers switched off one at a time, and with $BASE's code (a copy of an
 #                      earlier commit) when BASE is set
 #   parity (PARITY=1): bench/gpu_parity.sh (train_fsdp2 ep=2 vs ep=1 on the tiny model, fp32 and bf16)
@@ -18,9 +19,11 @@ table=$out/h200x${gpus}_L${layers}.jsonl
 levers=$out/levers_h200x${gpus}_L${layers}.jsonl
 keep() { grep -E '^\{|Error|error'; }
 if [ "${TABLE:-0}" = 1 ]; then
-  run $bench --config eager --out $table 2>&1 | keep
-  run $bench --config grouped_mm --out $table 2>&1 | keep
-  run $bench --config ep --reuse_casts --out $table --profile $out/profile_ep_h200x${gpus}_L${layers}.txt 2>&1 | keep
+  # Same global batch (4 sequences per GPU per step) as 2 x 2 micro-steps; ours also as one micro-step of 4.
+  run $bench --config eager --micro_batch 2 --grad_accum 2 --out $table 2>&1 | keep
+  run $bench --config grouped_mm --micro_batch 2 --grad_accum 2 --out $table 2>&1 | keep
+  run $bench --config ep --reuse_casts --micro_batch 2 --grad_accum 2 --out $table --profile $out/profile_ep_h200x${gpus}_L${layers}.txt 2>&1 | keep
+  run $bench --config ep --reuse_casts --micro_batch 4 --grad_accum 1 --out $table 2>&1 | keep
 fi
 if [ "${LEVERS:-0}" = 1 ]; then
   if [ -n "${BASE:-}" ]; then
