@@ -33,7 +33,7 @@ def main(path: str) -> None:
               f"{r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {r['mfu_vs_dense_gemm']:.1%} | "
               f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
     if "ep" in base:
-        for other in ("eager", "grouped_mm"):
+        for other in ("eager", "grouped_mm", "megablocks"):
             if other in base:
                 ratio = base["ep"]["tokens_per_s_per_gpu"] / base[other]["tokens_per_s_per_gpu"]
                 print(f"ep / {other}: {ratio:.2f}x tokens/s")
@@ -42,9 +42,9 @@ def main(path: str) -> None:
 
     names = [r["config"] for r in ok]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax1.bar(names, [r["tokens_per_s_per_gpu"] for r in ok], color=["#999", "#69c", "#e63"][: len(ok)])
+    ax1.bar(names, [r["tokens_per_s_per_gpu"] for r in ok], color=["#999", "#69c", "#e63", "#6a4"][: len(ok)])
     ax1.set_ylabel("tokens / s / GPU")
-    ax2.bar(names, [r["peak_allocated_gib"] for r in ok], color=["#999", "#69c", "#e63"][: len(ok)])
+    ax2.bar(names, [r["peak_allocated_gib"] for r in ok], color=["#999", "#69c", "#e63", "#6a4"][: len(ok)])
     ax2.set_ylabel("peak allocated GiB / GPU")
     r0 = ok[0]
     fig.suptitle(f"{r0['gpus']}x {r0['device']}, Mixtral width, {r0['layers']} layers, seq {r0['seq']}, "
