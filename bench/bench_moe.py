@@ -6,6 +6,7 @@ Configurations (same global batch, same model width, bf16 compute with fp32 mast
   eager       FSDP2 over all ranks, transformers' experts with experts_implementation="eager"
   grouped_mm  FSDP2 over all ranks, transformers' experts with experts_implementation="grouped_mm"
   ep          ours: shard_moe (ep = all ranks, native backend) + FSDP2 on the dense weights
+  megablocks  the same with moe_backend="megablocks" (megablocks' dropless MoE + grouped_gemm; README)
 Weights are random, created on the GPUs (no checkpoint). Appends one JSON line per run to --out.
 Configuration (d), FSDP1 + EP through HF Trainer (train_fsdp1.py itself), is bench/bench_fsdp1.py.
 
@@ -58,7 +59,7 @@ def dense_gemm_tflops(device) -> float:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--config", choices=["eager", "grouped_mm", "ep"], required=True)
+    p.add_argument("--config", choices=["eager", "grouped_mm", "ep", "megablocks"], required=True)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro_batch", type=int, default=1)
@@ -115,12 +116,13 @@ def main():
     }
     try:
         torch.manual_seed(0)
-        impl = {"experts_implementation": args.config} if args.config != "ep" else {}
+        sharded = args.config in ("ep", "megablocks")
+        impl = {"experts_implementation": args.config} if not sharded else {}
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **impl)
         experts = set()
-        if args.config == "ep":
-            mesh = shard_moe(model, world, device=device)
+        if sharded:
+            mesh = shard_moe(model, world, device=device, moe_backend="megablocks" if args.config == "megablocks" else "native")
             experts = set(expert_parameters(model))
             for block in moe_blocks(model):
                 block.experts.compile_elementwise = not args.no_compile
@@ -170,11 +172,11 @@ def main():
                     model.set_requires_gradient_sync(i == len(batches) - 1)
                     logits = model(input_ids=ids).logits
                     loss = causal_lm_loss_sum(logits, ids) / (ids.numel() * len(batches))
-                    if args.config == "ep":
+                    if sharded:
                         loss = world * loss + world * 0.02 * router_stats(model, None, mesh.world.get_group()).local / len(batches)
                     loss.backward()
                     del logits, loss
-            if args.config == "ep":
+            if sharded:
                 sync_expert_grads(model, mesh)
             clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -13,6 +13,7 @@ CONFIGS = {  # config name -> (label, bar colour), in the order of the issue's l
     "ep": ("(c) ours: FSDP2 + EP (bench_moe.py)", "#e63"),
     "fsdp1_ep": ("(d) ours: FSDP1 + EP, Trainer path (train_fsdp1.py)", "#c39"),
     "fsdp2_ep_script": ("ours: FSDP2 + EP, train_fsdp2.py on the same input as (d)", "#f96"),
+    "megablocks": ("(e) FSDP2 + EP, megablocks backend", "#396"),
 }
 ANCHORS = [  # published numbers to print beside ours (different hardware, models and batches)
     "original README (8xA100-80GB, Mixtral-8x7B): FSDP2-only 0.033 steps/s, megablocks 0.117 steps/s",

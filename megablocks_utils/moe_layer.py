@@ -150,6 +150,10 @@ class ExpertParallelExperts(nn.Module):
                 gate, up = gate_up.chunk(2, dim=-1)
                 hidden = self.act_fn(gate) * up
             return _grouped_mm(hidden, w_down.transpose(-2, -1), offs)
+        return self.expert_loop(x, counts_host, w_gate_up, w_down)
+
+    def expert_loop(self, x: torch.Tensor, counts_host: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """The reference computation: one pair of GEMMs per local expert (any device, any dtype)."""
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
             gate, up = F.linear(rows, w_gate_up[e]).chunk(2, dim=-1)
@@ -217,11 +221,14 @@ class ExpertParallelMoE(nn.Module):
         *,
         router_attr: str = "gate",
         router_mode: str = "softmax_topk",
+        experts: ExpertParallelExperts | None = None,
     ):
         super().__init__()
         self.router_attr = router_attr
         setattr(self, router_attr, TopKRouter(hidden_size, num_experts, top_k, renormalize, router_mode))
-        self.experts = ExpertParallelExperts(num_experts, mesh, act_fn)
+        # The experts' forward is the backend: this module's own (moe_backend="native") or megablocks'
+        # (megablocks_backend.MegablocksExperts, a subclass holding the same weights).
+        self.experts = experts if experts is not None else ExpertParallelExperts(num_experts, mesh, act_fn)
         self.shared_expert_attr = None
         self.shared_gate_attr = None
         self.record_router = False

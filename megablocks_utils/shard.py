@@ -1,6 +1,5 @@
 """``shard_moe``: turn a transformers MoE model into an expert-parallel one, loading only local experts."""
 
-import importlib.util
 import os
 
 import torch
@@ -9,6 +8,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .loading import Checkpoint, expert_layout, load_local_experts
+from .megablocks_backend import MegablocksExperts, check_megablocks
 from .mesh import MoEMesh, build_mesh
 from .models import MoESpec, decoder_layers, spec_for
 from .moe_layer import ExpertParallelMoE
@@ -16,19 +16,12 @@ from .moe_layer import ExpertParallelMoE
 BACKENDS = ("native", "megablocks")
 
 
-def check_backend(moe_backend: str) -> None:
+def check_backend(moe_backend: str, device_type: str | None = None) -> None:
+    """Raise a clear error unless ``moe_backend`` is known and can run here (never a silent fallback)."""
     if moe_backend not in BACKENDS:
         raise ValueError(f"moe_backend={moe_backend!r} is unknown; choose one of {BACKENDS}")
     if moe_backend == "megablocks":
-        if importlib.util.find_spec("megablocks") is None:
-            raise ImportError(
-                "moe_backend='megablocks' needs the megablocks package, which is not installed (it builds only "
-                "from source, on CUDA; README's 'MoE backends' says which environments support it); "
-                "use moe_backend='native'"
-            )
-        raise NotImplementedError(
-            "moe_backend='megablocks' is not wired up in this version; use moe_backend='native'"
-        )
+        check_megablocks(device_type)
 
 
 def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
@@ -98,18 +91,22 @@ def shard_moe(
 ) -> MoEMesh:
     """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
 
+    ``moe_backend``: "native" (this package's expert-parallel layer) or "megablocks" (megablocks'
+    dropless MoE moves the tokens, grouped_gemm runs the experts; CUDA only; ``megablocks_backend.py``).
+    Both hold the same weights in the same places.
+
     ``model`` is either built on the meta device (then ``model_dir`` supplies every weight: dense
     ones whole, experts as this rank's slices only) or a materialised transformers model (then the
     local experts are sliced out of it). Returns the mesh; the model is modified in place.
     """
-    check_backend(moe_backend)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_backend(moe_backend, device.type)
     config = model.config
     spec = spec_for(config)
     num_experts = getattr(config, spec.num_experts_attr)
     top_k = getattr(config, spec.top_k_attr)
     intermediate = getattr(config, spec.intermediate_attr)
     renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else getattr(config, spec.renormalize)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     mesh = build_mesh(ep_size, device.type, num_experts)
@@ -124,9 +121,15 @@ def shard_moe(
             continue
         dtype = getattr(old, spec.router_attr).weight.dtype
         with torch.device("meta" if on_meta else device):
+            experts = None
+            if moe_backend == "megablocks":
+                experts = MegablocksExperts(
+                    num_experts, mesh, config.hidden_act,
+                    top_k=top_k, hidden_size=config.hidden_size, intermediate_size=intermediate,
+                )
             new = ExpertParallelMoE(
                 config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
-                router_attr=spec.router_attr, router_mode=spec.router,
+                router_attr=spec.router_attr, router_mode=spec.router, experts=experts,
             )
         new.to(dtype)
         if spec.shared_expert_attr is not None:  # transformers' own modules, weights and all
