@@ -174,7 +174,7 @@ done
 echo "using: megablocks route ${MB:-none}, grouped_gemm build ${GG:-none}"
 [ -n "$MB" ] || stop "no megablocks build works (see the errors above and build_mb_*.log)"
 [ -n "$GG" ] || stop "no grouped_gemm build works (see build_gg_*.log)"
-export PYTHONPATH=$WORK/site-stk:$WORK/site-gg_$GG:$WORK/site-mb_$MB:$REPO
+export PYTHONPATH=$WORK/site-stk:$WORK/site-gg_$GG:$WORK/site-mb_$MB:$REPO${PYTHONPATH:+:$PYTHONPATH}
 echo "export PYTHONPATH=$PYTHONPATH"
 cp "$WORK/wheels/stk/"*.whl "$WORK/wheels/gg_$GG/"*.whl "$WORK/wheels/mb_$MB/"*.whl "$OUT/" && ls -la "$OUT"/*.whl
 
