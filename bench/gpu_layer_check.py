@@ -96,17 +96,24 @@ def main():
         failures.append("compiled SiLU*up")
     set_compile(ours, True)
 
+    # Whole model: grouped_mm equals the loop when both run the same element-wise code (compile off).
+    # With the compiled SiLU*up the bf16 rounding differs slightly, near-tie routing in later layers can
+    # flip, so that run is judged by its distance from the fp32 truth, as transformers' own bf16 model is.
+    set_compile(ours, False)
     grouped = run(ours, ids)
     for block in moe_blocks(ours):
         block.experts.force_loop = True
     loop = run(ours, ids)
     for block in moe_blocks(ours):
         block.experts.force_loop = False
-    report("bf16 ours grouped_mm (compiled element-wise) vs ours loop", grouped, loop, 5e-2)
+    report("bf16 ours grouped_mm vs ours loop (eager element-wise)", grouped, loop, 5e-2)
+    set_compile(ours, True)
+    fused = run(ours, ids)
     theirs = run(reference, ids)
     mean_err = lambda a: float((a[0].float() - truth[0]).abs().mean() / truth[0].abs().mean())  # noqa: E731
-    print(f"bf16 vs fp32 truth, mean rel logits error: ours {mean_err(grouped):.3e}, transformers {mean_err(theirs):.3e}", flush=True)
-    if mean_err(grouped) > 1.5 * mean_err(theirs):
+    print(f"bf16 vs fp32 truth, mean rel logits error: ours (compiled element-wise) {mean_err(fused):.3e}, "
+          f"ours (eager) {mean_err(grouped):.3e}, transformers {mean_err(theirs):.3e}", flush=True)
+    if mean_err(fused) > 1.5 * mean_err(theirs):
         failures.append("bf16 vs fp32")
     print("torch", torch.__version__, "device", torch.cuda.get_device_name(), flush=True)
     dist.destroy_process_group()
