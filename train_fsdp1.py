@@ -9,7 +9,9 @@ TrainingArguments flag works too (--bf16 true, --activation_checkpointing true, 
 Same model code, data order and loss as train_fsdp2.py, so both give the same loss at every step.
 """
 
+import argparse
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -51,9 +53,94 @@ trainer_defaults = dict(
 )
 # -----------------------------------------------------------------------------
 
-from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+# Only what the inputs' checks need before they run (the Trainer, accelerate's FSDP and the model come after).
+from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
-from megablocks_utils import (  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.inputs import (  # noqa: E402
+    InputError,
+    check_ep_size,
+    check_output_dir,
+    fail,
+    fsdp_requested,
+    stop_together,
+)
+from megablocks_utils.loading import check_model_dir  # noqa: E402
+from megablocks_utils.settings import apply_overrides  # noqa: E402
+from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
+
+settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+training_fields = dataclasses.fields(TrainingArguments)
+training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in training_fields}  # --no_x: HfArgumentParser's negation
+RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoint-*")  # what a run leaves in output_dir
+
+
+def trainer_checkpoint(resume_from_checkpoint, output_dir):
+    """--resume_from_checkpoint: true/last = the newest complete checkpoint-N in output_dir, or a path (checked)."""
+    if resume_from_checkpoint is None:
+        return None
+    resume = resume_from_checkpoint
+    if resume.lower() in ("true", "last"):
+        from transformers.trainer_utils import sort_checkpoints
+
+        # The newest complete one: Trainer writes trainer_state.json last, so a checkpoint cut short by a
+        # crash has none and is skipped.
+        found = sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []
+        complete = [c for c in found if os.path.isfile(os.path.join(c, "trainer_state.json"))]
+        if not complete:
+            raise InputError(
+                f"--resume_from_checkpoint {resume}: {output_dir} holds no complete checkpoint-* directory; drop "
+                "--resume_from_checkpoint to start a new run (--overwrite_output_dir true to replace earlier results)"
+            )
+        resume = complete[-1]
+    if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise InputError(f"--resume_from_checkpoint {resume}: not a Trainer checkpoint (no trainer_state.json)")
+    return resume
+
+
+# ----------------------------------------------------------------------------- inputs
+# Checked on every rank alike from the same files, before the process group and anything heavy: a
+# bad input stops every rank within seconds, rank 0 says what to fix, nothing is written.
+use_cuda = torch.cuda.is_available()
+try:
+    trainer_argv = apply_overrides(settings, known_extra=training_flags - set(settings), extra_kind="TrainingArguments flag")
+    globals().update(settings)
+    defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]
+    if not use_cuda:
+        # Without --use_cpu accelerate brings CPU processes up as DistributedType.NO: no process group,
+        # every rank training alone. With it they join one gloo group (and fsdp_on_cpu makes it FSDP below).
+        defaults.append("--use_cpu=true")
+        # accelerate would name each process's device "cpu:0", which FSDP1 rejects for parameters on "cpu";
+        # ACCELERATE_TORCH_DEVICE is accelerate's own setting for the process device.
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+    try:
+        parser = HfArgumentParser(TrainingArguments, exit_on_error=False)  # errors come back here, not as usage text per rank
+        (args,) = parser.parse_args_into_dataclasses(args=defaults + trainer_argv)
+    except (argparse.ArgumentError, ValueError) as e:
+        raise InputError(f"{e}; fix the TrainingArguments flag") from None
+    if args.fp16:
+        raise InputError("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
+    if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
+        raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
+    read_alpaca(data_path)
+    num_experts, experts_name = (None, "") if default_model_pending(model_name_or_path) else check_model_dir(model_name_or_path)
+    resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
+    # accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
+    # else (python, torchrun, a config without FSDP) would train without FSDP: stop instead.
+    if not fsdp_requested() or "LOCAL_RANK" not in os.environ:
+        raise InputError(
+            "launch with accelerate and the FSDP config, e.g. `accelerate launch --num_processes 2 "
+            "--config_file accelerate.yaml train_fsdp1.py --accelerator_config accelerator_config.json`"
+        )
+    ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
+except InputError as e:
+    fail(e)
+start_step = 0 if resume is None else json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"]
+
+from transformers import AutoConfig, AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
+
+from megablocks_utils import (  # noqa: E402
     causal_lm_loss_sum,
     clip_grad_norm_,
     count_label_tokens,
@@ -64,11 +151,10 @@ from megablocks_utils import (  # noqa: E402  (settings first, so they read like
     sync_expert_grads,
 )
 from megablocks_utils.checkpoint import copy_model_files  # noqa: E402
-from megablocks_utils.data import DataError, GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
+from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
 from megablocks_utils.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
     fsdp_on_cpu,
-    fsdp_requested,
     grad_shard_group,
     init_optimizer_state,
     sharding_facts,
@@ -76,47 +162,8 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
 )
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
-from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
-from megablocks_utils.tiny_model import ensure_default_model  # noqa: E402
 
-settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
-training_fields = dataclasses.fields(TrainingArguments)
-training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in training_fields}  # --no_x: HfArgumentParser's negation
-
-
-def fail(message) -> None:
-    """Stop every rank with one clear message (printed by rank 0), without a traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(2)
-
-
-try:
-    trainer_argv = apply_overrides(settings, known_extra=training_flags - set(settings))
-except SettingsError as e:
-    fail(e)
-globals().update(settings)
-
-# ----------------------------------------------------------------------------- launch and process group
-# accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
-# else (python, torchrun, a config without FSDP) would train without FSDP: stop instead.
-if not fsdp_requested() or "LOCAL_RANK" not in os.environ:
-    fail(
-        "launch with accelerate and the FSDP config, e.g. `accelerate launch --num_processes 2 "
-        "--config_file accelerate.yaml train_fsdp1.py --accelerator_config accelerator_config.json`"
-    )
-use_cuda = torch.cuda.is_available()
-defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]
-if not use_cuda:
-    # Without --use_cpu accelerate brings CPU processes up as DistributedType.NO: no process group,
-    # every rank training alone. With it they join one gloo group (and fsdp_on_cpu makes it FSDP below).
-    defaults.append("--use_cpu=true")
-    # accelerate would name each process's device "cpu:0", which FSDP1 rejects for parameters on "cpu";
-    # ACCELERATE_TORCH_DEVICE is accelerate's own setting for the process device.
-    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
-(args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=defaults + trainer_argv)
+# ----------------------------------------------------------------------------- process group
 device = args.device  # sets up accelerate's process state and the process group
 if not dist.is_initialized():
     fail("accelerate did not start a process group; launch with `accelerate launch --num_processes N --config_file accelerate.yaml`")
@@ -126,51 +173,26 @@ master = rank == 0
 # StopOnSigterm callback below ends the run at the next step's end with a saved checkpoint.
 sigterm = torch.zeros(1, device=device)
 signal.signal(signal.SIGTERM, lambda signum, frame: sigterm.fill_(1))
-ep = ep_size or world_size
 # Trainer's own clipping cannot see the expert shards (FSDP1's clip_grad_norm_ counts DTensor experts as
 # local plain tensors): it is switched off and this script clips by the true global norm before each
 # optimizer step (MoETrainer.create_optimizer). --max_grad_norm keeps its meaning.
 max_grad_norm, args.max_grad_norm = args.max_grad_norm, 0.0
-if args.fp16:
-    fail("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
-if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
-    fail("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
 if args.world_size != world_size:
     fail(f"accelerate sees {args.world_size} processes but the process group has {world_size}")
-
-# ----------------------------------------------------------------------------- output dir
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-resume = args.resume_from_checkpoint
-if resume is not None and resume.lower() in ("true", "last"):
-    from transformers.trainer_utils import sort_checkpoints
 
-    # The newest complete one: Trainer writes trainer_state.json last, so a checkpoint cut short by a
-    # crash has none and is skipped.
-    found = sort_checkpoints(args.output_dir) if os.path.isdir(args.output_dir) else []
-    complete = [c for c in found if os.path.isfile(os.path.join(c, "trainer_state.json"))]
-    resume = complete[-1] if complete else None
-    if resume is None:
-        fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {args.output_dir} holds no checkpoint-* directory")
-if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-    fail(f"--resume_from_checkpoint {resume}: not a Trainer checkpoint (no trainer_state.json)")
-start_step = 0 if resume is None else json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"]
-if os.path.exists(metrics_path) and not overwrite_output_dir and resume is None:
-    fail(f"{args.output_dir} already holds a run's results; choose another output_dir, resume with "
-         "--resume_from_checkpoint, or pass --overwrite_output_dir true")
-
-# ----------------------------------------------------------------------------- model and data
+# ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
-try:
-    from transformers import AutoConfig, AutoTokenizer
-
-    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
+# The data first, so a problem with it shows before a large model is read. Each block ends with the
+# ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
+with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     dataset, dropped = build_dataset(data_path, tokenizer, max_length)
     batches = GlobalBatches(
         dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
     )
-except (DataError, ValueError, FileNotFoundError, ImportError, NotImplementedError, OSError) as e:
-    fail(e)
+with stop_together():
+    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
@@ -363,9 +385,9 @@ if master:
 # ----------------------------------------------------------------------------- train
 if master:
     if os.path.isdir(args.output_dir) and overwrite_output_dir and resume is None:
-        for name in ("metrics.jsonl", "summary.json", "final"):
-            path = os.path.join(args.output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
+        # checkpoint-* too: --resume_from_checkpoint last must never pick up the replaced run's checkpoints
+        for path in [p for pattern in RESULTS for p in glob.glob(os.path.join(glob.escape(args.output_dir), pattern))]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(args.output_dir, exist_ok=True)
     if resume is not None and os.path.exists(metrics_path):  # keep the records up to the checkpoint's step
         with open(metrics_path) as f:

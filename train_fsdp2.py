@@ -46,7 +46,36 @@ logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 # -----------------------------------------------------------------------------
 
-from megablocks_utils import (  # noqa: E402  (settings first, so they read like a config file)
+# Only light modules before the inputs are checked (transformers and the model come after).
+from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.inputs import InputError, check_ep_size, check_output_dir, fail, stop_together  # noqa: E402
+from megablocks_utils.loading import check_model_dir  # noqa: E402
+from megablocks_utils.settings import apply_overrides  # noqa: E402
+from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
+
+settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
+
+# ----------------------------------------------------------------------------- inputs
+# Checked on every rank alike from the same files, before the process group and anything heavy: a
+# bad input stops every rank within seconds, rank 0 says what to fix, nothing is written.
+try:
+    apply_overrides(settings)
+    globals().update(settings)
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
+    read_alpaca(data_path)
+    num_experts, experts_name = (None, "") if default_model_pending(model_name_or_path) else check_model_dir(model_name_or_path)
+    earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
+    if "RANK" not in os.environ:
+        raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
+    ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
+except InputError as e:
+    fail(e)
+
+from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
+
+from megablocks_utils import (  # noqa: E402
     causal_lm_loss_sum,
     clip_grad_norm_,
     expert_parameters,
@@ -56,32 +85,11 @@ from megablocks_utils import (  # noqa: E402  (settings first, so they read like
     sync_expert_grads,
 )
 from megablocks_utils.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint  # noqa: E402
-from megablocks_utils.data import DataError, GlobalBatches, build_dataset, collate  # noqa: E402
+from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
-from megablocks_utils.settings import SettingsError, apply_overrides  # noqa: E402
-from megablocks_utils.tiny_model import ensure_default_model  # noqa: E402
-
-settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
-try:
-    apply_overrides(settings)
-except SettingsError as e:
-    sys.exit(f"error: {e}")
-globals().update(settings)
-
-
-def fail(message) -> None:
-    """Stop every rank with one clear message (printed by rank 0), without a traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(2)
-
 
 # ----------------------------------------------------------------------------- process group
-if "RANK" not in os.environ:
-    fail("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
 use_cuda = torch.cuda.is_available()
 if use_cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -95,35 +103,29 @@ master = rank == 0
 stop_requested = torch.zeros(1, device=device)
 signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
 torch.manual_seed(seed)
-ep = ep_size or world_size
-compute_dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
-if compute_dtype is None:
-    fail(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
+compute_dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 # ----------------------------------------------------------------------------- output dir
 metrics_path = os.path.join(output_dir, "metrics.jsonl")
 checkpoint_root = os.path.join(output_dir, "checkpoints")
-if os.path.exists(metrics_path) and not (overwrite_output_dir or resume):
-    fail(
-        f"{output_dir} already holds a run's results; choose another output_dir, pass --resume auto to "
-        "continue it, or --overwrite_output_dir true"
-    )
 try:
     resume_from = resolve_resume(resume, checkpoint_root)
 except CheckpointError as e:
     fail(e)
+if resume == "auto" and resume_from is None and not overwrite_output_dir and {"summary.json", "final/"} & set(earlier_results):
+    fail(f"--resume auto: {output_dir} holds a finished run and no checkpoint to continue it from; choose another "
+         "output_dir, or pass --overwrite_output_dir true to replace it")
 
-# ----------------------------------------------------------------------------- model and data
+# ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
-try:
-    from transformers import AutoConfig, AutoTokenizer, get_scheduler
-
-    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
+# The data first, so a problem with it shows before a large model is read. Each block ends with the
+# ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
+with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     dataset, dropped = build_dataset(data_path, tokenizer, max_length)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
-except (DataError, ValueError, FileNotFoundError, ImportError, NotImplementedError, OSError) as e:
-    fail(e)
+with stop_together():
+    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
@@ -185,7 +187,7 @@ world_group = mesh.world.get_group()
 # ----------------------------------------------------------------------------- train
 if master:
     if os.path.isdir(output_dir) and overwrite_output_dir and not resume_from:
-        for name in ("metrics.jsonl", "summary.json", "final", "checkpoints"):
+        for name in RESULTS:
             path = os.path.join(output_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
     os.makedirs(output_dir, exist_ok=True)

@@ -1,33 +1,39 @@
-"""Expert-parallel MoE for transformers models in plain PyTorch (DeviceMesh, DTensor, FSDP2)."""
+"""Expert-parallel MoE for transformers models in plain PyTorch (DeviceMesh, DTensor, FSDP2).
 
-from .aux_loss import RouterStats, router_stats
-from .grads import clip_grad_norm_, sync_expert_grads
-from .loss import IGNORE_INDEX, causal_lm_loss_sum, count_label_tokens
-from .mesh import MoEMesh, build_mesh
-from .models import MOE_SPECS, MoESpec, decoder_layers, spec_for
-from .moe_layer import ExpertParallelExperts, ExpertParallelMoE, TopKRouter, reuse_expert_casts
-from .shard import expert_parameters, load_model, moe_blocks, shard_moe
+The names below are imported from their modules on first use, so a script can import the light
+modules (``settings``, ``inputs``, ``data``, ``loading``) and check its inputs within a second,
+before transformers and the distributed stack are loaded.
+"""
 
-__all__ = [
-    "IGNORE_INDEX",
-    "MOE_SPECS",
-    "ExpertParallelExperts",
-    "ExpertParallelMoE",
-    "MoEMesh",
-    "MoESpec",
-    "RouterStats",
-    "TopKRouter",
-    "build_mesh",
-    "causal_lm_loss_sum",
-    "clip_grad_norm_",
-    "count_label_tokens",
-    "decoder_layers",
-    "expert_parameters",
-    "load_model",
-    "moe_blocks",
-    "reuse_expert_casts",
-    "router_stats",
-    "shard_moe",
-    "spec_for",
-    "sync_expert_grads",
-]
+import importlib
+
+_MODULE_OF = {
+    "RouterStats": "aux_loss",
+    "router_stats": "aux_loss",
+    "clip_grad_norm_": "grads",
+    "sync_expert_grads": "grads",
+    "IGNORE_INDEX": "loss",
+    "causal_lm_loss_sum": "loss",
+    "count_label_tokens": "loss",
+    "MoEMesh": "mesh",
+    "build_mesh": "mesh",
+    "MOE_SPECS": "models",
+    "MoESpec": "models",
+    "decoder_layers": "models",
+    "spec_for": "models",
+    "ExpertParallelExperts": "moe_layer",
+    "ExpertParallelMoE": "moe_layer",
+    "TopKRouter": "moe_layer",
+    "reuse_expert_casts": "moe_layer",
+    "expert_parameters": "shard",
+    "load_model": "shard",
+    "moe_blocks": "shard",
+    "shard_moe": "shard",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)

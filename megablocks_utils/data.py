@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from .inputs import InputError
 from .loss import IGNORE_INDEX
 
 PROMPT_WITH_INPUT = (
@@ -24,31 +25,40 @@ PROMPT_NO_INPUT = (
 )
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A problem with the data file, stated with what to do about it."""
+
+
+def _json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def read_alpaca(path: str) -> list[dict]:
     """Read and check an alpaca JSON file: a list of {instruction, input?, output} string records."""
     if not os.path.isfile(path):
-        raise DataError(f"data file {path!r} does not exist; set data_path to an alpaca-format JSON file")
+        problem = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise DataError(f"data file {path!r} {problem}; set data_path to an alpaca-format JSON file")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             records = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON ({e}); it must be a JSON list of alpaca records") from e
     if not isinstance(records, list):
-        raise DataError(f"{path} holds a JSON {type(records).__name__}, not a list; wrap the records in [ ... ]")
+        raise DataError(f"{path} holds {_json_kind(records)}, not a list; wrap the records in [ ... ]")
     for i, record in enumerate(records):
         if not isinstance(record, dict):
-            raise DataError(f"{path}: record {i} is a {type(record).__name__}, not an object with instruction/output")
+            raise DataError(f"{path}: record {i} is {_json_kind(record)}, not an object with instruction and output")
         for key in ("instruction", "output"):
             if key not in record:
                 raise DataError(f"{path}: record {i} has no {key!r} field; every record needs instruction and output")
         for key in ("instruction", "input", "output"):
             if key in record and not isinstance(record[key], str):
                 raise DataError(
-                    f"{path}: record {i} field {key!r} is a {type(record[key]).__name__}, not a string; fix the record"
+                    f"{path}: record {i} field {key!r} is {_json_kind(record[key])}, not a string; fix the record"
                 )
     if not records:
         raise DataError(f"{path} holds no records; add alpaca records to train on")

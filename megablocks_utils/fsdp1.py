@@ -17,8 +17,6 @@ do not do for such a model lives here:
 - ``sharding_facts`` and ``weight_checksums``: what shows the sharding is real, for the run's summary.
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,12 +25,8 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 from .export import export_hf
+from .inputs import fsdp_requested
 from .mesh import MoEMesh
-
-
-def fsdp_requested() -> bool:
-    """Whether this process was started by ``accelerate launch`` with an FSDP config."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def fsdp_on_cpu(accelerator) -> bool:

@@ -11,14 +11,65 @@ nothing is concatenated.
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .models import MoESpec
+from .inputs import InputError
+from .models import MOE_SPECS, MoESpec, spec_for
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+def _shard_names(path: str) -> set[str]:
+    """The tensor names in one safetensors file; its header is parsed, which finds a truncated or corrupt file."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"{path} is truncated or corrupt ({e}); fetch it again") from e
+
+
+def weight_map(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of a model directory, after checking that every file is there and whole.
+
+    Reads the index and each file's header only (a few KB per file), so it is cheap to run before loading.
+    """
+    index_path = os.path.join(model_dir, INDEX_NAME)
+    single_path = os.path.join(model_dir, SINGLE_NAME)
+    if os.path.isfile(single_path) and not os.path.isfile(index_path):
+        return {name: SINGLE_NAME for name in _shard_names(single_path)}
+    if not os.path.isfile(index_path):
+        others = sorted(n for n in os.listdir(model_dir) if n.endswith((".bin", ".pt", ".pth", ".safetensors")))
+        found = f" (it holds {others[:3]}: convert them with `model.save_pretrained(dir)`, which writes safetensors)" if others else ""
+        raise InputError(
+            f"no {INDEX_NAME} or {SINGLE_NAME} in {model_dir}{found}; point model_name_or_path at a Hugging Face "
+            "model directory saved with safetensors"
+        )
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            names = json.load(f)["weight_map"]
+        if not isinstance(names, dict):
+            raise TypeError(f"weight_map is a {type(names).__name__}")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise InputError(f"{index_path} is not a valid safetensors index ({e}); re-download or re-export the model") from e
+    files = sorted(set(names.values()))
+    missing = [file for file in files if not os.path.isfile(os.path.join(model_dir, file))]
+    if missing:
+        raise InputError(
+            f"{index_path} names shard file(s) that are not in {model_dir}: {missing}; "
+            "the download is incomplete, fetch the missing files"
+        )
+    for file in files:
+        absent = sorted({n for n, f in names.items() if f == file} - _shard_names(os.path.join(model_dir, file)))
+        if absent:
+            raise InputError(
+                f"{index_path} places {len(absent)} tensor(s) in {file} that it does not hold, e.g. {absent[:2]}; "
+                "the index and the shards come from different saves, fetch the model again"
+            )
+    return names
 
 
 class Checkpoint:
@@ -30,41 +81,23 @@ class Checkpoint:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        index_path = os.path.join(model_dir, INDEX_NAME)
-        single_path = os.path.join(model_dir, SINGLE_NAME)
-        if os.path.isfile(index_path):
-            with open(index_path) as f:
-                try:
-                    self.weight_map = json.load(f)["weight_map"]
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{index_path} is not a valid safetensors index ({e}); re-download or re-export the model") from e
-            missing = sorted({file for file in self.weight_map.values() if not os.path.isfile(os.path.join(model_dir, file))})
-            if missing:
-                raise FileNotFoundError(
-                    f"{index_path} names shard file(s) that are not in {model_dir}: {missing}; "
-                    "the download is incomplete, fetch the missing files"
-                )
-        elif os.path.isfile(single_path):
-            with safe_open(single_path, framework="pt") as f:
-                self.weight_map = {name: SINGLE_NAME for name in f.keys()}
-        else:
-            raise FileNotFoundError(
-                f"no {INDEX_NAME} or {SINGLE_NAME} in {model_dir}; point model_name_or_path at a Hugging Face "
-                "model directory saved with safetensors"
-            )
+        self.weight_map = weight_map(model_dir)
         self._handles = {}
         self.read_names: list[str] = []
 
     def _file(self, name: str):
         if name not in self.weight_map:
-            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.model_dir}")
+            raise InputError(
+                f"tensor {name!r} is not in the checkpoint at {self.model_dir}; the checkpoint is incomplete "
+                "or config.json does not describe these weights"
+            )
         file = self.weight_map[name]
         if file not in self._handles:
             path = os.path.join(self.model_dir, file)
             try:
                 self._handles[file] = safe_open(path, framework="pt")
-            except Exception as e:
-                raise ValueError(f"cannot read {path} ({e}); the file is truncated or corrupt, fetch it again") from e
+            except (SafetensorError, OSError) as e:
+                raise InputError(f"cannot read {path} ({e}); the file is truncated or corrupt, fetch it again") from e
         return self._handles[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -83,7 +116,7 @@ class Checkpoint:
         self._handles.clear()
 
 
-def expert_layout(ckpt: Checkpoint, spec: MoESpec) -> str:
+def expert_layout(names: list[str], spec: MoESpec, model_dir: str) -> str:
     """'hub' (the Hub's names: per expert, or stacked per layer for Granite) or 'fused' (transformers 5)."""
     if spec.hub_stacked is not None:
         hub_example = spec.hub_stacked_names(0)[0]
@@ -91,16 +124,91 @@ def expert_layout(ckpt: Checkpoint, spec: MoESpec) -> str:
         hub_example = spec.hub_expert_names(0, 0)[0]
     hub = re.compile(re.escape(hub_example).replace(r"layers\.0\.", r"layers\.\d+\.").replace(r"experts\.0\.", r"experts\.\d+\.") + "$")
     fused = re.compile(rf"\.{spec.block_attr}\.{spec.experts_attr}\.gate_up_proj$")
-    names = ckpt.names()
     if any(hub.search(n) for n in names):
         return "hub"
     if any(fused.search(n) for n in names):
         return "fused"
-    raise ValueError(
-        f"the checkpoint in {ckpt.model_dir} has no expert weights in a layout we know "
+    raise InputError(
+        f"the checkpoint in {model_dir} has no expert weights in a layout we know "
         f"(neither '{hub_example}' nor '{spec.fused_names(0)[0]}' or their other layers); "
-        f"is it a {spec.model_type} MoE checkpoint?"
+        f"is it a {spec.model_type} MoE checkpoint? (config.json says it is)"
     )
+
+
+def missing_expert_names(names: list[str], spec: MoESpec, layout: str, num_experts: int) -> list[str]:
+    """Expert tensors absent from a checkpoint, in every layer that has any: all of a layer's experts must be there."""
+    present = set(names)
+    layers = set()
+    for name in names:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match and spec.is_expert_name(name):
+            layers.add(int(match.group(1)))
+    wanted = []
+    for layer in sorted(layers):
+        if layout == "fused":
+            wanted += spec.fused_names(layer)
+        elif spec.hub_stacked is not None:
+            wanted += spec.hub_stacked_names(layer)
+        else:
+            wanted += [name for e in range(num_experts) for name in spec.hub_expert_names(layer, e)]
+    return [name for name in wanted if name not in present]
+
+
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_model_dir(model_dir: str) -> tuple[int | None, str]:
+    """Check a model directory without loading it; return (number of experts, the config field naming it).
+
+    config.json of a supported MoE model, every safetensors file there and whole, and expert weights
+    in a layout we know, complete in each layer. Reads only config.json, the index and file headers.
+    """
+    if not os.path.isdir(model_dir):
+        raise InputError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local Hugging Face model directory")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise InputError(
+            f"{model_dir} has no config.json, so it is not a Hugging Face model directory; set model_name_or_path "
+            "to the directory that holds config.json and the *.safetensors files"
+        )
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{config_path} is not valid JSON ({e}); re-download or re-save the model") from e
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in MOE_SPECS and isinstance(config, dict) and not any(f in config for f in EXPERT_COUNT_FIELDS):
+        raise InputError(
+            f"{model_dir} holds a dense model (model_type={model_type!r}, no experts in config.json); this suite "
+            f"fine-tunes mixture-of-experts models: set model_name_or_path to a model of type {', '.join(sorted(MOE_SPECS))}"
+        )
+    try:
+        spec = spec_for(SimpleNamespace(model_type=model_type))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    # The config class's field, or the name config.json stores it under (transformers 5 maps some, e.g.
+    # Qwen3-MoE's num_experts to num_local_experts). Absent: the class default, checked when the model is built.
+    field = next((f for f in (spec.num_experts_attr, *EXPERT_COUNT_FIELDS) if isinstance(config.get(f), int)), None)
+    num_experts = config[field] if field else None
+    names = list(weight_map(model_dir))
+    layout = expert_layout(names, spec, model_dir)
+    if num_experts is not None:
+        missing = missing_expert_names(names, spec, layout, num_experts)
+        if missing:
+            raise InputError(
+                f"the checkpoint in {model_dir} lacks {len(missing)} expert tensor(s), e.g. {missing[:2]}; the download "
+                f"is incomplete, or config.json's {field}={num_experts} does not match the weights"
+            )
+    return num_experts, field or spec.num_experts_attr
+
+
+def _copy_checked(out: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if out.shape != value.shape:
+        raise InputError(
+            f"checkpoint tensor {name!r} has shape {tuple(value.shape)} but config.json implies {tuple(out.shape)}; "
+            "config.json does not match the weights"
+        )
+    out.copy_(value)
 
 
 def load_local_experts(
@@ -120,11 +228,11 @@ def load_local_experts(
     """
     if layout == "fused" or spec.hub_stacked is not None:
         gate_up_name, down_name = spec.fused_names(layer) if layout == "fused" else spec.hub_stacked_names(layer)
-        out_gate_up.copy_(ckpt.get_rows(gate_up_name, experts.start, experts.stop))
-        out_down.copy_(ckpt.get_rows(down_name, experts.start, experts.stop))
+        _copy_checked(out_gate_up, ckpt.get_rows(gate_up_name, experts.start, experts.stop), gate_up_name)
+        _copy_checked(out_down, ckpt.get_rows(down_name, experts.start, experts.stop), down_name)
         return
     for i, e in enumerate(experts):
         gate, up, down = spec.hub_expert_names(layer, e)
-        out_gate_up[i, :intermediate].copy_(ckpt.get(gate))
-        out_gate_up[i, intermediate:].copy_(ckpt.get(up))
-        out_down[i].copy_(ckpt.get(down))
+        _copy_checked(out_gate_up[i, :intermediate], ckpt.get(gate), gate)
+        _copy_checked(out_gate_up[i, intermediate:], ckpt.get(up), up)
+        _copy_checked(out_down[i], ckpt.get(down), down)

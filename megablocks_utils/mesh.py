@@ -11,25 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_ep_size(ep_size: int, world_size: int, num_experts: int | None = None) -> None:
-    """Raise a ValueError that names the valid choices when ep_size cannot split the world or experts."""
-    if ep_size < 1:
-        raise ValueError(f"ep_size={ep_size} must be >= 1")
-    if world_size % ep_size != 0:
-        raise ValueError(
-            f"world_size={world_size} is not divisible by ep_size={ep_size}; "
-            f"choose ep_size in {divisors(world_size)}"
-        )
-    if num_experts is not None and num_experts % ep_size != 0:
-        valid = [d for d in divisors(num_experts) if world_size % d == 0]
-        raise ValueError(
-            f"num_local_experts={num_experts} is not divisible by ep_size={ep_size}; choose ep_size in {valid}"
-        )
+from .inputs import check_ep_size
 
 
 @dataclass
@@ -72,7 +54,9 @@ class MoEMesh:
         return self.mesh.device_type
 
 
-def build_mesh(ep_size: int, device_type: str | None = None, num_experts: int | None = None) -> MoEMesh:
+def build_mesh(
+    ep_size: int, device_type: str | None = None, num_experts: int | None = None, experts_name: str = "num_local_experts"
+) -> MoEMesh:
     """Build the meshes on an initialised process group; ``dp = world_size // ep_size``."""
     if not dist.is_initialized():
         raise RuntimeError(
@@ -80,7 +64,7 @@ def build_mesh(ep_size: int, device_type: str | None = None, num_experts: int | 
             "torch.distributed.init_process_group) before shard_moe"
         )
     world_size = dist.get_world_size()
-    check_ep_size(ep_size, world_size, num_experts)
+    ep_size = check_ep_size(ep_size, world_size, num_experts, experts_name)  # 0: all ranks
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))

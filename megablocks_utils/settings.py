@@ -1,9 +1,12 @@
 """Command-line overrides for the settings block at the top of a training script (nanoGPT style)."""
 
+import difflib
 import sys
 
+from .inputs import InputError
 
-class SettingsError(ValueError):
+
+class SettingsError(InputError):
     pass
 
 
@@ -19,14 +22,18 @@ def _parse(name: str, text: str, default):
     try:
         return type(default)(text)
     except ValueError:
-        raise SettingsError(f"--{name} expects a {type(default).__name__}, got {text!r}") from None
+        kind = "an integer" if isinstance(default, int) else "a number"
+        raise SettingsError(f"--{name} expects {kind}, got {text!r}") from None
 
 
-def apply_overrides(settings: dict, argv: list[str] | None = None, known_extra: set[str] = frozenset()) -> list[str]:
+def apply_overrides(
+    settings: dict, argv: list[str] | None = None, known_extra: set[str] = frozenset(), extra_kind: str = ""
+) -> list[str]:
     """Override ``settings`` in place from ``--name value`` / ``--name=value`` arguments.
 
-    Returns the arguments whose names are in ``known_extra`` (left for another parser); any other
-    unknown name is an error that lists the valid ones.
+    Returns the arguments whose names are in ``known_extra`` (left for another parser, whose flags
+    ``extra_kind`` names); any other unknown name is an error that suggests the closest valid name
+    and lists the valid ones.
     """
     argv = sys.argv[1:] if argv is None else argv
     rest, i = [], 0
@@ -44,7 +51,10 @@ def apply_overrides(settings: dict, argv: list[str] | None = None, known_extra: 
             i += 1
             continue
         if name not in settings:
-            raise SettingsError(f"unknown setting --{name}; valid settings: {', '.join(sorted(settings))}")
+            close = difflib.get_close_matches(name, [*settings, *known_extra], n=1)
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            also = f", and every {extra_kind}" if extra_kind else ""
+            raise SettingsError(f"unknown setting --{name}{hint}; valid settings: {', '.join(sorted(settings))}{also}")
         if takes_value:
             if i + 1 >= len(argv):
                 raise SettingsError(f"--{name} needs a value")

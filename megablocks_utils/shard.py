@@ -109,7 +109,7 @@ def shard_moe(
     renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else getattr(config, spec.renormalize)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    mesh = build_mesh(ep_size, device.type, num_experts)
+    mesh = build_mesh(ep_size, device.type, num_experts, spec.num_experts_attr)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and model_dir is None:
         raise ValueError("the model is on the meta device: pass model_dir so shard_moe can load its weights")
@@ -149,7 +149,7 @@ def shard_moe(
     else:
         model.to(device)
 
-    layout = expert_layout(ckpt, spec) if ckpt is not None else None
+    layout = expert_layout(ckpt.names(), spec, model_dir) if ckpt is not None else None
     local = num_experts // mesh.ep_size
     mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
     layers = decoder_layers(model)

@@ -12,7 +12,6 @@ import shutil
 import torch
 
 from .data import format_prompt, read_alpaca
-from .export import hub_state_dict, write_shards
 
 TINY_CONFIG = dict(
     hidden_size=64,
@@ -50,6 +49,8 @@ def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: in
     """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
+    from .export import hub_state_dict, write_shards
+
     tokenizer = train_tokenizer(data_path)
     config = MixtralConfig(
         vocab_size=len(tokenizer),
@@ -80,11 +81,16 @@ def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: in
 DEFAULT_NAME = "tiny-mixtral"
 
 
+def default_model_pending(model_name_or_path: str) -> bool:
+    """Whether this is the embedded default, not created yet (``ensure_default_model`` will make it)."""
+    return model_name_or_path == DEFAULT_NAME and not os.path.isdir(model_name_or_path)
+
+
 def ensure_default_model(model_name_or_path: str, data_path: str) -> None:
     """Collective: create the embedded default on first use (rank 0 writes it, the others wait)."""
     import torch.distributed as dist
 
-    if model_name_or_path != DEFAULT_NAME or os.path.isdir(model_name_or_path):
+    if not default_model_pending(model_name_or_path):
         return
     if dist.get_rank() == 0:
         print(f"creating the embedded tiny Mixtral in ./{DEFAULT_NAME}", flush=True)

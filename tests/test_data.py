@@ -50,9 +50,9 @@ def test_truncation_keeps_labels_aligned(tokenizer):
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", "is not valid JSON"),
-    ('{"instruction": "x"}', "not a list"),
+    ('{"instruction": "x"}', "holds an object, not a list"),
     ('[{"instruction": "x"}]', "record 0 has no 'output' field"),
-    ('[{"instruction": "x", "output": 3}]', "record 0 field 'output' is a int, not a string"),
+    ('[{"instruction": "x", "output": 3}]', "record 0 field 'output' is a number, not a string"),
     ("[]", "holds no records"),
 ])
 def test_bad_data_files_are_named(tmp_path, content, message):
@@ -67,6 +67,12 @@ def test_all_samples_too_long_is_an_error(tmp_path, tokenizer):
     path.write_text(json.dumps([{"instruction": "Explain the sky.", "input": "", "output": "Blue."}]))
     with pytest.raises(DataError, match="raise max_length"):
         build_dataset(str(path), tokenizer, max_length=8)
+
+
+def test_fewer_samples_than_one_step_is_an_error():
+    with pytest.raises(DataError, match=r"the dataset has 3 samples but one optimizer step needs micro_batch 2 x "
+                       r"grad_accum 2 x 2 ranks = 8; lower per_device_train_batch_size"):
+        GlobalBatches([{}] * 3, 2, 2, 2, 0, seed=1)
 
 
 def test_global_batch_does_not_depend_on_world_size(tiny_model_dir, tokenizer):

@@ -11,7 +11,8 @@ from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_con
 
 from megablocks_utils import load_model, spec_for
 from megablocks_utils.export import hub_state_dict, write_shards
-from megablocks_utils.loading import Checkpoint
+from megablocks_utils.inputs import InputError
+from megablocks_utils.loading import Checkpoint, check_model_dir
 from megablocks_utils.mesh import check_ep_size
 
 EXPERT_NAME = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.\w+\.weight$")
@@ -101,6 +102,7 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
         saved = json.load(open(os.path.join(paths[arch], "model.safetensors.index.json")))["weight_map"]
         assert len(set(saved.values())) >= 2, f"{arch}: the test checkpoint must span several files"
         assert sorted(saved) == sorted(hub_state_dict(model)), f"{arch}: hub names differ from transformers'"
+        assert check_model_dir(paths[arch])[0] == 4, arch
     run_ranks(check_every_architecture_loads, 2, paths)
 
 
@@ -115,6 +117,7 @@ def test_each_rank_reads_only_its_experts(tmp_path, layout):
         w1 = index["model.layers.0.block_sparse_moe.experts.1.w1.weight"]
         w3 = index["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
         assert w1 != w3, "one expert's w1 and w3 should sit in different files"
+    assert check_model_dir(path) == (4, "num_local_experts")
     run_ranks(check_local_experts, 2, 2, path, layout)
 
 
@@ -132,13 +135,29 @@ def test_ep_size_errors_name_the_valid_choices():
 
 
 def test_missing_index_or_shard_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json or model.safetensors"):
+    with pytest.raises(InputError, match="no model.safetensors.index.json or model.safetensors"):
         Checkpoint(str(tmp_path))
     path = str(tmp_path / "hub")
     write_checkpoint(path, "hub")
     os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
-    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003.safetensors"):
+    with pytest.raises(InputError, match=r"names shard file\(s\) that are not in .*: \['model-00002-of-00003.safetensors'\]"):
         Checkpoint(path)
+
+
+def test_index_disagreeing_with_shards_or_lacking_experts_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "hub")
+    write_checkpoint(path, "hub")
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    expert = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    wrong = {**index["weight_map"], "model.norm.extra": "model-00001-of-00003.safetensors"}
+    json.dump({**index, "weight_map": wrong}, open(index_path, "w"))
+    with pytest.raises(InputError, match=r"places 1 tensor\(s\) in model-00001-of-00003.safetensors that it does not hold"):
+        check_model_dir(path)
+    lacking = {n: f for n, f in index["weight_map"].items() if n != expert}
+    json.dump({**index, "weight_map": lacking}, open(index_path, "w"))
+    with pytest.raises(InputError, match=rf"lacks 1 expert tensor\(s\), e.g. \['{re.escape(expert)}'\]"):
+        check_model_dir(path)
 
 
 def check_no_moe_blocks(rank, world):

@@ -1,0 +1,105 @@
+"""Bad input: check a run's inputs before anything heavy runs, and stop every rank with one message.
+
+The checks (data file, model directory, output directory, ep_size against the world size) read
+only small files, so they run on every rank before the process group, the model or transformers'
+heavy modules: each rank reaches the same verdict from the same files, rank 0 prints it, all exit.
+What can only fail later, possibly on some ranks only (a rank reads only its own experts), runs
+inside ``stop_together``, where the ranks compare notes before anyone moves on.
+"""
+
+import glob
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+
+class InputError(ValueError):
+    """Something the user gave (a file, a directory, a setting) that cannot work, stated with the fix."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def fail(message) -> None:
+    """Stop this rank with exit code 2; rank 0 prints ``error: <message>`` (every rank calls it alike)."""
+    if _rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
+
+
+EXPECTED = (InputError, ValueError, OSError, ImportError, NotImplementedError)
+
+
+@contextmanager
+def stop_together(expected: tuple = EXPECTED):
+    """Run a block on every rank; if it raises on any rank, every rank stops, with one message from rank 0.
+
+    Collective: all ranks must enter it, and the block must not start a collective after a point
+    where it can fail on some ranks only (those would not join it). ``expected`` errors are bad
+    input and give their message alone; any other error is a bug: its rank prints the traceback.
+    """
+    error = None
+    try:
+        yield
+    except expected as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 (still agree with the other ranks, so none is left waiting)
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e} (traceback above)"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        fail(message if rank == 0 else f"on rank {rank}: {message}")
+
+
+def fsdp_requested() -> bool:
+    """Whether this process was started by ``accelerate launch`` with an FSDP config."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ep_size(ep_size: int, world_size: int, num_experts: int | None = None, experts_name: str = "num_local_experts") -> int:
+    """The expert-parallel degree (``ep_size``, 0 = all ranks), or an InputError naming the valid choices."""
+    if ep_size < 0:
+        raise InputError(f"ep_size={ep_size} is negative; use 0 (all {world_size} processes) or one of {divisors(world_size)}")
+    ep = ep_size or world_size
+    given = f"ep_size={ep}" if ep_size else f"ep_size=0 (all {world_size} processes)"
+    if world_size % ep != 0:
+        raise InputError(
+            f"world_size={world_size} is not divisible by {given}; choose ep_size in {divisors(world_size)} "
+            f"for {world_size} processes, or launch a multiple of {ep} processes"
+        )
+    if num_experts is not None and num_experts % ep != 0:
+        valid = [d for d in divisors(num_experts) if world_size % d == 0]
+        raise InputError(
+            f"{experts_name}={num_experts} is not divisible by {given}; choose ep_size in {valid} "
+            f"(each rank holds whole experts, and ep_size must divide the {world_size} processes too)"
+        )
+    return ep
+
+
+def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool, resuming: bool, resume_flag: str) -> list[str]:
+    """Refuse an output directory that holds another run's ``results`` (glob patterns) unless told to
+    overwrite them or to resume that run; returns what was found."""
+    found = sorted(
+        os.path.basename(path) + ("/" if os.path.isdir(path) else "")
+        for pattern in results
+        for path in glob.glob(os.path.join(glob.escape(output_dir), pattern))
+    )
+    if found and not (overwrite or resuming):
+        raise InputError(
+            f"{output_dir} already holds a run's results ({', '.join(found)}); choose another output_dir, "
+            f"pass {resume_flag} to continue that run, or --overwrite_output_dir true to replace it"
+        )
+    return found
