@@ -205,7 +205,7 @@ if master:
 
 # ----------------------------------------------------------------------------- the Trainer
 class StepMetrics(TrainerCallback):
-    """Per-step sums filled by the loss, reduced over ranks and written to metrics.jsonl at each step's end."""
+    """Per-step sums filled by the loss, reduced over ranks before the optimizer step, written to metrics.jsonl at the step's end."""
 
     def __init__(self):
         self.writer = None
@@ -403,6 +403,7 @@ if master:
     step_metrics.writer = JsonlWriter(metrics_path)
 dist.barrier()
 
+
 def where_to_continue(bad_step):
     """For the stop message: the newest complete checkpoint-N before the bad step, and how to go on from it."""
     from transformers.trainer_utils import sort_checkpoints
@@ -418,6 +419,8 @@ def where_to_continue(bad_step):
 try:
     result = trainer.train(resume_from_checkpoint=resume)
 except NonFiniteStep as e:
+    if master:
+        print(file=sys.stderr)  # off Trainer's progress bar line
     fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
 if sigterm.item() and result.global_step < total_steps:
     if master:

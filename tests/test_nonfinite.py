@@ -102,7 +102,7 @@ def stop_then_skip(run, train_args, out, checkpoint, resume_flag):
     stopped = run(*train_args, env={NAN_GRAD_ENV: "3"})
     assert stopped.returncode != 0
     assert "exitcode  : 0" not in stopped.stderr  # no rank ended well
-    message = [line for line in stopped.stderr.splitlines() if line.startswith("error: ")]
+    message = re.findall(r"error: .*", stopped.stderr)
     assert len(message) == 1, stopped.stderr[-4000:]  # one message, from rank 0
     good = checkpoint(2)
     assert message[0].startswith("error: step 3: the gradient norm is nan; stopped without applying or saving this step; "

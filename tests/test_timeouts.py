@@ -1,7 +1,6 @@
 """A dead or stuck rank ends the job with an error on every rank, never a hang (real gloo ranks on CPU)."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ def check_mesh_groups_time_out(rank, world_size, timeout_s):
 
 
 def test_mesh_groups_have_the_given_timeout():
-    run_ranks(check_mesh_groups_time_out, 4, 2)
+    run_ranks(check_mesh_groups_time_out, 4, 3)
 
 
 def launch(launcher: list[str], tiny_model_dir: str, out: str, *args: str) -> subprocess.Popen:
@@ -60,12 +59,25 @@ def ranks_once_training(proc: subprocess.Popen, script: str, out: str) -> dict[i
     return {int(p.environ()["RANK"]): p for p in workers}
 
 
+def kill_all(proc: subprocess.Popen, ranks: dict) -> None:
+    """After a failed assertion: no process of the job outlives the test (the ranks have sessions of their own)."""
+    processes = list(ranks.values())
+    if proc.poll() is None:
+        processes += [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if proc.returncode is None:
+        proc.communicate()
+
+
 def assert_all_gone(proc: subprocess.Popen, ranks: dict, started: float, bound_s: float) -> str:
     """The launcher exits non-zero within ``bound_s`` of ``started`` and leaves no rank behind; returns its stderr."""
     try:
-        _, stderr = proc.communicate(timeout=bound_s - (time.time() - started))
+        _, stderr = proc.communicate(timeout=max(0.0, bound_s - (time.time() - started)))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"the job was still running {bound_s} s after the failure: a hang")
     assert proc.returncode != 0
     alive = [p.pid for p in ranks.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -79,9 +91,13 @@ def test_fsdp2_dead_rank_ends_every_rank(tiny_model_dir, tmp_path):
     out = str(tmp_path / "run")
     proc = launch(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_fsdp2.py"], tiny_model_dir, out,
                   "--collective_timeout_s", str(TIMEOUT_S))
-    ranks = ranks_once_training(proc, "train_fsdp2.py", out)
-    ranks[1].kill()
-    stderr = assert_all_gone(proc, ranks, time.time(), TIMEOUT_S)
+    ranks = {}
+    try:
+        ranks = ranks_once_training(proc, "train_fsdp2.py", out)
+        ranks[1].kill()
+        stderr = assert_all_gone(proc, ranks, time.time(), TIMEOUT_S)
+    finally:
+        kill_all(proc, ranks)
     assert "exitcode  : 0" not in stderr and not os.path.exists(os.path.join(out, "summary.json"))
 
 
@@ -98,15 +114,19 @@ def test_stuck_rank_times_out_every_rank(tiny_model_dir, tmp_path, script):
                     "--config_file", "accelerate.yaml", script, "--accelerator_config", "accelerator_config.json"]
         timeout_flag = "--ddp_timeout"  # TrainingArguments' own; the script makes it hold on CPU too
     proc = launch(launcher, tiny_model_dir, out, timeout_flag, str(TIMEOUT_S))
-    ranks = ranks_once_training(proc, script, out)
-    ranks[1].suspend()
-    stopped = time.time()
+    ranks = {}
     try:
-        ranks[0].wait(timeout=TIMEOUT_S + 60)
-    except psutil.TimeoutExpired:
-        pytest.fail(f"rank 0 still waits {TIMEOUT_S + 60} s after rank 1 stopped (timeout {TIMEOUT_S} s)")
-    waited = time.time() - stopped
-    assert waited > TIMEOUT_S / 2, waited  # the timeout ended rank 0, nothing sooner
-    ranks[1].resume()  # torchrun has sent it SIGTERM meanwhile; a SIGSTOPped rank would take torchrun's 30 s grace to SIGKILL
-    stderr = assert_all_gone(proc, ranks, stopped, TIMEOUT_S + 120)
+        ranks = ranks_once_training(proc, script, out)
+        ranks[1].suspend()
+        stopped = time.time()
+        try:
+            ranks[0].wait(timeout=TIMEOUT_S + 60)
+        except psutil.TimeoutExpired:
+            pytest.fail(f"rank 0 still waits {TIMEOUT_S + 60} s after rank 1 stopped (timeout {TIMEOUT_S} s)")
+        waited = time.time() - stopped
+        assert waited > TIMEOUT_S / 2, waited  # the timeout ended rank 0, nothing sooner
+        ranks[1].resume()  # it has torchrun's SIGTERM pending; stopped, it would wait for torchrun's SIGKILL 30 s later
+        stderr = assert_all_gone(proc, ranks, stopped, TIMEOUT_S + 120)
+    finally:
+        kill_all(proc, ranks)
     assert "Timed out" in stderr or "timed out" in stderr, stderr[-3000:]
