@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per sample; longer samples are truncated
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
+nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
+max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
 # TrainingArguments defaults of this script (the same run as train_fsdp2.py's defaults); any
 # TrainingArguments flag on the command line overrides them.
 trainer_defaults = dict(
@@ -50,6 +53,7 @@ trainer_defaults = dict(
     logging_steps=1,
     save_strategy="no",  # "steps" with --save_steps N for resumable Trainer checkpoints
     report_to="none",
+    ddp_timeout=600,  # seconds a collective waits for another rank (dead or stuck) before the run fails (Trainer's: 1800)
 )
 # -----------------------------------------------------------------------------
 
@@ -113,6 +117,14 @@ try:
         # accelerate would name each process's device "cpu:0", which FSDP1 rejects for parameters on "cpu";
         # ACCELERATE_TORCH_DEVICE is accelerate's own setting for the process device.
         os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+        # transformers gives --ddp_timeout to accelerate's process group only on GPUs: on CPU start the gloo
+        # group here with it (accelerate then takes this one). Parsing TrainingArguments starts the group, so
+        # the value is read first.
+        timeout_flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        timeout_flag.add_argument("--ddp_timeout", type=int)
+        ddp_timeout = timeout_flag.parse_known_args(defaults + trainer_argv)[0].ddp_timeout
+        if "RANK" in os.environ and not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=ddp_timeout))
     try:
         parser = HfArgumentParser(TrainingArguments, exit_on_error=False)  # errors come back here, not as usage text per rank
         (args,) = parser.parse_args_into_dataclasses(args=defaults + trainer_argv)
@@ -162,6 +174,7 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
 )
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
+from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 device = args.device  # sets up accelerate's process state and the process group
@@ -173,6 +186,10 @@ master = rank == 0
 # StopOnSigterm callback below ends the run at the next step's end with a saved checkpoint.
 sigterm = torch.zeros(1, device=device)
 signal.signal(signal.SIGTERM, lambda signum, frame: sigterm.fill_(1))
+try:
+    nonfinite_steps = NonFiniteSteps(nonfinite, max_consecutive_skips)
+except ValueError as e:
+    fail(e)
 # Trainer's own clipping cannot see the expert shards (FSDP1's clip_grad_norm_ counts DTensor experts as
 # local plain tensors): it is switched off and this script clips by the true global norm before each
 # optimizer step (MoETrainer.create_optimizer). --max_grad_norm keeps its meaning.
@@ -192,7 +209,7 @@ with stop_together():
         dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
     )
 with stop_together():
-    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
+    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend, timeout=args.ddp_timeout_delta)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
@@ -211,23 +228,24 @@ if master:
 
 # ----------------------------------------------------------------------------- the Trainer
 class StepMetrics(TrainerCallback):
-    """Per-step sums filled by the loss, reduced over ranks and written to metrics.jsonl at each step's end."""
+    """Per-step sums filled by the loss, reduced over ranks before the optimizer step, written to metrics.jsonl at the step's end."""
 
     def __init__(self):
         self.writer = None
         self.grad_norm = float("nan")
+        self.skipped = False
         self.total_tokens = 0.0
         self.record = {}
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
-        # [ce sum, aux, real tokens, padded token slots] and [layer, expert] top-k counts, summed over ranks below.
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        # [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses] and [layer, expert]
+        # top-k counts, summed over ranks before the optimizer step (MoETrainer.sync_and_clip).
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
         self.tokens_per_expert = 0
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        dist.all_reduce(self.sums, group=world_group)
-        ce_sum, aux_loss, real_tokens, slots = (float(x) for x in self.sums)
+        ce_sum, aux_loss, real_tokens, slots, _ = (float(x) for x in self.sums)
         step_time = time.perf_counter() - self.start  # after float(): the GPU has finished the optimizer step too
         ce_loss = ce_sum / self.label_tokens
         self.total_tokens += real_tokens
@@ -239,6 +257,7 @@ class StepMetrics(TrainerCallback):
             "aux_loss": aux_loss,
             "lr": lr_scheduler.get_last_lr()[0],
             "grad_norm": self.grad_norm,
+            "skipped": self.skipped,
             "tokens": int(real_tokens),
             "tokens_per_second": real_tokens / step_time,
             "tokens_per_second_per_device": real_tokens / step_time / world_size,
@@ -271,10 +290,6 @@ class ModelFilesInCheckpoints(TrainerCallback):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if master and os.path.isdir(path):
             copy_model_files(model_name_or_path, path)
-
-
-class NonFiniteGradNorm(RuntimeError):
-    pass
 
 
 class MoETrainer(Trainer):
@@ -319,7 +334,7 @@ class MoETrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
         stats = router_stats(model, inputs["attention_mask"], world_group)
-        ce_sum = causal_lm_loss_sum(out.logits, inputs["labels"])
+        ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, inputs["labels"]), self.state.global_step + 1, rank, world_size)  # test hook
         micro_steps = self.current_gradient_accumulation_steps
         # Each rank's loss is world_size x its share of the global mean (FSDP averages dense gradients over
         # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
@@ -327,7 +342,8 @@ class MoETrainer(Trainer):
         loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
         mask = inputs["attention_mask"]
         step_metrics.sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (micro_steps * world_size),
-                                          mask.sum().double(), torch.tensor(mask.numel(), device=mask.device).double()])
+                                          mask.sum().double(), torch.tensor(mask.numel(), device=mask.device).double(),
+                                          (~torch.isfinite(loss.detach())).double()])
         step_metrics.tokens_per_expert = step_metrics.tokens_per_expert + stats.tokens_per_expert
         return (loss, out) if return_outputs else loss
 
@@ -343,12 +359,23 @@ class MoETrainer(Trainer):
 
     def sync_and_clip(self, optimizer, hook_args, hook_kwargs):
         """Right before each optimizer step, on every rank: expert gradients averaged over dp, then the
-        true global-norm clip over FSDP1's flat shards (summed over its group) and the expert DTensors."""
+        true global-norm clip over FSDP1's flat shards (summed over its group) and the expert DTensors,
+        then the non-finite check on the step's global loss and norm (the same on every rank).
+
+        Stopping raises NonFiniteStep out of trainer.train(). Skipping drops every gradient: the
+        optimizer step that follows then changes nothing (AdamW passes over parameters without a
+        gradient: no update, no moment or step count change); Trainer still steps the LR scheduler.
+        """
+        step = self.state.global_step + 1
         sync_expert_grads(self.model, mesh)
+        inject_nan_grad(self.model.parameters(), step, rank, world_size)  # test hook
         norm = float(clip_grad_norm_(self.model.parameters(), max_grad_norm, sharded_group=grad_shard_group(self.model)))
-        if not math.isfinite(norm):
-            raise NonFiniteGradNorm(f"step {self.state.global_step + 1}: gradient norm is {norm}; lower learning_rate or check the data")
+        dist.all_reduce(step_metrics.sums, group=world_group)
+        ce_sum, aux_loss, _, _, nonfinite_losses = (float(x) for x in step_metrics.sums)
         step_metrics.grad_norm = norm
+        step_metrics.skipped = nonfinite_steps.check(step, ce_sum / step_metrics.label_tokens + aux_coef * aux_loss, norm, int(nonfinite_losses))
+        if step_metrics.skipped:
+            optimizer.zero_grad(set_to_none=True)
 
     def log(self, logs, start_time=None):
         if "grad_norm" in logs:  # Trainer's own norm misses the expert shards; report ours
@@ -399,10 +426,25 @@ if master:
     step_metrics.writer = JsonlWriter(metrics_path)
 dist.barrier()
 
+
+def where_to_continue(bad_step):
+    """For the stop message: the newest complete checkpoint-N before the bad step, and how to go on from it."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    found = [c for c in sort_checkpoints(args.output_dir) if os.path.isfile(os.path.join(c, "trainer_state.json"))
+             and int(c.rsplit("-", 1)[1]) < bad_step]
+    if not found:
+        return "no checkpoint was saved before it (--save_strategy steps --save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
+    return (f"the last good checkpoint is {found[-1]}; continue with --resume_from_checkpoint {found[-1]} --nonfinite skip "
+            "(a resumed run repeats the same batches, so this step may fail again without skip)")
+
+
 try:
     result = trainer.train(resume_from_checkpoint=resume)
-except NonFiniteGradNorm as e:
-    fail(e)
+except NonFiniteStep as e:
+    if master:
+        print(file=sys.stderr)  # off Trainer's progress bar line
+    fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
 if sigterm.item() and result.global_step < total_steps:
     if master:
         print(f"SIGTERM: saved {os.path.join(args.output_dir, f'checkpoint-{result.global_step}')}; "
@@ -428,6 +470,7 @@ summary = {
     "train_tokens_per_second_per_device": step_metrics.total_tokens / runtime / world_size,
     **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
     "final_loss": step_metrics.record.get("loss"),
+    "skipped_steps": nonfinite_steps.skipped,
     "world_size": world_size,
     "dp": mesh.dp_size,
     "ep": mesh.ep_size,
@@ -444,5 +487,7 @@ if master:
         json.dump(summary, f, indent=1)
     shown = {k: v for k, v in summary.items() if not isinstance(v, list)}
     print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()), flush=True)
+    if nonfinite_steps.skipped:
+        print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(args.output_dir, 'final')}", flush=True)
 dist.destroy_process_group()

@@ -7,7 +7,6 @@ Edit the settings below or override any of them on the command line (--name valu
 """
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -42,6 +41,9 @@ router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config
 save_steps = 0  # write a sharded checkpoint (DCP) every N steps to output_dir/checkpoints; 0 = off
 save_total_limit = 2  # keep only the newest N checkpoints
 resume = ""  # "auto" = the newest complete checkpoint in output_dir/checkpoints, or a checkpoint dir
+nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
+max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
+collective_timeout_s = 600  # a collective waiting longer than this for another rank (dead or stuck) ends the run with an error
 logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step)
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 # -----------------------------------------------------------------------------
@@ -84,17 +86,27 @@ from megablocks_utils import (  # noqa: E402
     router_stats,
     sync_expert_grads,
 )
-from megablocks_utils.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint  # noqa: E402
+from megablocks_utils.checkpoint import (  # noqa: E402
+    CheckpointError,
+    complete_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
+from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 use_cuda = torch.cuda.is_available()
 if use_cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
+# The timeout bounds how long a rank waits in a collective for another one (also the mesh's groups,
+# see build_mesh): a rank that died or hangs ends the run with an error on the others, not a hang.
+timeout = timedelta(seconds=collective_timeout_s)
+dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
 rank, world_size = dist.get_rank(), dist.get_world_size()
 master = rank == 0
 # Schedulers send SIGTERM before preemption: finish the step, save, exit 0. Installed first thing,
@@ -102,6 +114,10 @@ master = rank == 0
 # step's end (a signal can reach them at different moments).
 stop_requested = torch.zeros(1, device=device)
 signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
+try:
+    nonfinite_steps = NonFiniteSteps(nonfinite, max_consecutive_skips)
+except ValueError as e:
+    fail(e)
 torch.manual_seed(seed)
 compute_dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
@@ -125,7 +141,7 @@ with stop_together():
     dataset, dropped = build_dataset(data_path, tokenizer, max_length)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
 with stop_together():
-    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend)
+    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend, timeout=timeout)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
@@ -180,6 +196,16 @@ def checkpoint(step):
                     {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
 
 
+def where_to_continue(bad_step):
+    """For the stop message: the newest complete checkpoint before the bad step, and how to go on from it."""
+    # (one of a later step is another run's, left there when this one resumed from an earlier checkpoint)
+    found = [c for c in complete_checkpoints(checkpoint_root) if int(os.path.basename(c)[5:]) < bad_step]
+    if not found:
+        return "no checkpoint was saved before it (--save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
+    return (f"the last good checkpoint is {found[-1]}; continue with --resume {found[-1]} --nonfinite skip "
+            "(a resumed run repeats the same batches, so this step may fail again without skip)")
+
+
 n_active = active_params(model, config, list(experts))
 peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
 world_group = mesh.world.get_group()
@@ -210,8 +236,9 @@ record = None
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    # Per-step accumulators: [ce sum, aux, real tokens, padded token slots] (summed over ranks below).
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    # Per-step accumulators: [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses]
+    # (summed over ranks below).
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
     tokens_per_expert = 0
     # Expert weights are cast to bf16 once per optimizer step, not again at every micro-step.
     with reuse_expert_casts(model):
@@ -221,24 +248,34 @@ for step in range(start_step, total_steps):
             batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             stats = router_stats(model, batch["attention_mask"], world_group)
-            ce_sum = causal_lm_loss_sum(out.logits, batch["labels"])
+            ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
             # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
             loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
             loss.backward()
             sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                                 batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double()])
+                                 batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
+                                 (~torch.isfinite(loss.detach())).double()])
             tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
     sync_expert_grads(model, mesh)
+    inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
-    if not math.isfinite(float(grad_norm)):
-        fail(f"step {step + 1}: gradient norm is {float(grad_norm)}; lower learning_rate or check the data")
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    # Before the optimizer step, so every rank decides on the same global loss and norm.
     dist.all_reduce(sums, group=world_group)
-    ce_loss, aux_loss, real_tokens, slots = (float(x) for x in sums)
-    step_time = time.perf_counter() - step_start  # after float(): the GPU has finished the optimizer step too
+    ce_loss, aux_loss, real_tokens, slots, nonfinite_losses = (float(x) for x in sums)
     ce_loss /= step_label_tokens
+    try:
+        skipped = nonfinite_steps.check(step + 1, ce_loss + aux_coef * aux_loss, float(grad_norm), int(nonfinite_losses))
+    except NonFiniteStep as e:
+        if master:
+            progress.close()  # the message on a line of its own
+        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
+    if not skipped:
+        optimizer.step()
+    scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
+    optimizer.zero_grad(set_to_none=True)
+    if use_cuda:
+        torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
+    step_time = time.perf_counter() - step_start
     total_tokens_seen += real_tokens
     seq_len = slots / (batches.per_step)
     flops = flops_per_token(n_active, config, seq_len) * slots
@@ -249,6 +286,7 @@ for step in range(start_step, total_steps):
         "aux_loss": aux_loss,
         "lr": scheduler.get_last_lr()[0],
         "grad_norm": float(grad_norm),
+        "skipped": skipped,
         "tokens": int(real_tokens),
         "tokens_per_second": real_tokens / step_time,
         "tokens_per_second_per_device": real_tokens / step_time / world_size,
@@ -290,6 +328,7 @@ summary = {
     "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
     **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
     "final_loss": record["loss"] if record else None,
+    "skipped_steps": nonfinite_steps.skipped,
     "world_size": world_size,
     "dp": mesh.dp_size,
     "ep": mesh.ep_size,
@@ -301,5 +340,7 @@ if master:
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
+    if nonfinite_steps.skipped:
+        print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
 dist.destroy_process_group()

@@ -6,6 +6,7 @@ Every rank reads its own slice of the data. Dense parameters are sharded by FSDP
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,9 +56,18 @@ class MoEMesh:
 
 
 def build_mesh(
-    ep_size: int, device_type: str | None = None, num_experts: int | None = None, experts_name: str = "num_local_experts"
+    ep_size: int,
+    device_type: str | None = None,
+    num_experts: int | None = None,
+    experts_name: str = "num_local_experts",
+    timeout: timedelta | None = None,
 ) -> MoEMesh:
-    """Build the meshes on an initialised process group; ``dp = world_size // ep_size``."""
+    """Build the meshes on an initialised process group; ``dp = world_size // ep_size``.
+
+    ``timeout`` bounds every collective on the mesh's groups. Pass the one the process group was
+    started with: a group torch creates for a mesh dimension gets the backend's default timeout
+    (30 min on gloo, 10 on NCCL), not the process group's. Without it the groups are torch's.
+    """
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: launch with torchrun (or call "
@@ -67,6 +77,20 @@ def build_mesh(
     ep_size = check_ep_size(ep_size, world_size, num_experts, experts_name)  # 0: all ranks
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
-    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+    shape = (world_size // ep_size, ep_size)
+    if timeout is None:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "ep"))
+    else:
+        grid = torch.arange(world_size).view(shape)  # rank = dp_rank * ep_size + ep_rank, as init_device_mesh lays it out
+        groups = [_own_group(grid.T.tolist(), timeout), _own_group(grid.tolist(), timeout)]  # dp: a column, ep: a row
+        mesh = DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=("dp", "ep"))
+    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))  # the default group
     return MoEMesh(mesh=mesh, world=world)
+
+
+def _own_group(rank_lists: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
+    """This rank's group among ``rank_lists`` (every rank creates all of them, as ``new_group`` requires)."""
+    if len(rank_lists[0]) == dist.get_world_size():
+        return dist.group.WORLD  # no second communicator over all ranks; it has the process group's timeout
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
+    return group

@@ -8,6 +8,7 @@ term is attention's QK^T and AV products for a sequence of S tokens (forward + b
 """
 
 import json
+import math
 import resource
 
 import torch
@@ -37,10 +38,13 @@ def peak_memory_gb(device: torch.device) -> dict:
 
 
 class JsonlWriter:
+    """One JSON record per line. JSON has no NaN or Infinity: a non-finite number (the loss of a skipped step) is null."""
+
     def __init__(self, path: str):
         self.file = open(path, "a")
 
     def write(self, record: dict) -> None:
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 

@@ -1,6 +1,7 @@
 """``shard_moe``: turn a transformers MoE model into an expert-parallel one, loading only local experts."""
 
 import os
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -88,6 +89,7 @@ def shard_moe(
     model_dir: str | None = None,
     device: torch.device | str | None = None,
     moe_backend: str = "native",
+    timeout: timedelta | None = None,
 ) -> MoEMesh:
     """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
 
@@ -98,6 +100,7 @@ def shard_moe(
     ``model`` is either built on the meta device (then ``model_dir`` supplies every weight: dense
     ones whole, experts as this rank's slices only) or a materialised transformers model (then the
     local experts are sliced out of it). Returns the mesh; the model is modified in place.
+    ``timeout`` bounds the collectives on the mesh's groups (see ``build_mesh``).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_backend(moe_backend, device.type)
@@ -109,7 +112,7 @@ def shard_moe(
     renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else getattr(config, spec.renormalize)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    mesh = build_mesh(ep_size, device.type, num_experts, spec.num_experts_attr)
+    mesh = build_mesh(ep_size, device.type, num_experts, spec.num_experts_attr, timeout=timeout)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and model_dir is None:
         raise ValueError("the model is on the meta device: pass model_dir so shard_moe can load its weights")
@@ -183,8 +186,12 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     moe_backend: str = "native",
+    timeout: timedelta | None = None,
 ) -> tuple[nn.Module, MoEMesh]:
-    """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``."""
+    """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``.
+
+    ``timeout``: for the mesh's collectives (see ``build_mesh``); the scripts pass the process group's.
+    """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local model")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -193,5 +200,5 @@ def load_model(
     spec_for(config)  # fail early, with the list of supported models
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    mesh = shard_moe(model, ep_size, model_dir=model_dir, device=device, moe_backend=moe_backend)
+    mesh = shard_moe(model, ep_size, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
     return model, mesh
