@@ -1,6 +1,5 @@
 """A dead or stuck rank ends the job with an error on every rank, never a hang (real gloo ranks on CPU)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,12 +17,11 @@ TIMEOUT_S = 12  # small, yet well above any wait of a healthy run on a busy 2-co
 
 def check_mesh_groups_time_out(rank, world_size, timeout_s):
     """On a (dp=2, ep=2) mesh the dp and ep groups are groups of their own: they must time out too."""
-    # mesh.py alone (it needs only torch): importing the package would import transformers in each of
-    # the 4 ranks, 20 s more on 2 cores.
-    spec = importlib.util.spec_from_file_location("mesh", os.path.join(ROOT, "megablocks_utils", "mesh.py"))
-    mesh_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mesh_module)
-    mesh = mesh_module.build_mesh(2, "cpu", timeout=timedelta(seconds=timeout_s))
+    # The package imports its modules lazily: this loads mesh.py and inputs.py, not transformers (which
+    # would cost each of the 4 ranks ~20 s on 2 cores).
+    from megablocks_utils.mesh import build_mesh
+
+    mesh = build_mesh(2, "cpu", timeout=timedelta(seconds=timeout_s))
     dist.barrier()
     if rank == 3:
         time.sleep(3 * timeout_s)  # stuck: ranks 2 and 3 form an ep group
