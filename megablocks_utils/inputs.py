@@ -10,6 +10,7 @@ inside ``stop_together``, where the ranks compare notes before anyone moves on.
 import glob
 import os
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 
@@ -28,10 +29,15 @@ def fail(message) -> None:
     """Stop this rank with exit code 2; rank 0 prints ``error: <message>`` (every rank calls it alike)."""
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        # The launcher stops every rank once one exits: give rank 0 the moment it needs to print first.
+        time.sleep(_OTHER_RANKS_EXIT_DELAY_S)
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(2)
 
+
+_OTHER_RANKS_EXIT_DELAY_S = 5.0  # covers a rank 0 that reached the same check a little later
 
 EXPECTED = (InputError, ValueError, OSError, ImportError, NotImplementedError)
 
