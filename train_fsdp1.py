@@ -172,7 +172,7 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
     sharding_facts,
     weight_checksums,
 )
-from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
+from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
 
@@ -483,8 +483,7 @@ summary = {
 export_hf_fsdp1(wrapped, mesh, os.path.join(args.output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     step_metrics.writer.close()
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_summary(os.path.join(args.output_dir, "summary.json"), summary)
     shown = {k: v for k, v in summary.items() if not isinstance(v, list)}
     print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()), flush=True)
     if nonfinite_steps.skipped:

@@ -95,7 +95,7 @@ from megablocks_utils.checkpoint import (  # noqa: E402
 )
 from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
-from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb  # noqa: E402
+from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -337,8 +337,7 @@ export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from
 if master:
     progress.close()
     metrics.close()
-    with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_summary(os.path.join(output_dir, "summary.json"), summary)
     print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)

@@ -37,6 +37,16 @@ def peak_memory_gb(device: torch.device) -> dict:
     return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
 
 
+def finite_or_none(record: dict) -> dict:
+    """JSON has no NaN or Infinity: a non-finite number (the loss of a skipped step) becomes None (null)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def write_summary(path: str, summary: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(finite_or_none(summary), f, indent=1)
+
+
 class JsonlWriter:
     """One JSON record per line. JSON has no NaN or Infinity: a non-finite number (the loss of a skipped step) is null."""
 
@@ -44,8 +54,7 @@ class JsonlWriter:
         self.file = open(path, "a")
 
     def write(self, record: dict) -> None:
-        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(finite_or_none(record)) + "\n")
         self.file.flush()
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """A NaN loss or gradient norm never trains on: --nonfinite stop ends every rank naming the last good
 checkpoint, --nonfinite skip leaves weights and optimizer state as they were; both scripts."""
 
+import json
 import os
 import re
 import shlex
@@ -11,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, free_port, read_jsonl
 
-from megablocks_utils.metrics import JsonlWriter
+from megablocks_utils.metrics import JsonlWriter, write_summary
 from megablocks_utils.nonfinite import NAN_GRAD_ENV, NAN_LOSS_ENV, NonFiniteStep, NonFiniteSteps
 
 NAN = float("nan")
@@ -60,6 +61,15 @@ def test_metrics_write_non_finite_numbers_as_null(tmp_path):
         text = f.read()
     assert "NaN" not in text and "Infinity" not in text
     assert read_jsonl(path) == [{"step": 3, "loss": None, "grad_norm": None, "lr": 1e-3, "skipped": True}]
+
+
+def test_summary_writes_non_finite_numbers_as_null(tmp_path):
+    path = str(tmp_path / "summary.json")
+    write_summary(path, {"final_loss": NAN, "train_runtime": 2.5, "skipped_steps": 1})
+    with open(path) as f:
+        text = f.read()
+    assert "NaN" not in text
+    assert json.loads(text) == {"final_loss": None, "train_runtime": 2.5, "skipped_steps": 1}
 
 
 def launch(launcher: list[str], *args: str, env: dict) -> subprocess.CompletedProcess:
