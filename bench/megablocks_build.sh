@@ -11,6 +11,9 @@
 # three wheels that worked (install them on the same image with `pip install --no-deps --target DIR`
 # instead of building again).
 #
+# PREBUILT=DIR (a folder of those three wheels, e.g. .whl-mb/built-h100-cu130) installs them instead of
+# building: phases 1-2 are skipped, the smoke tests and checks run as usual.
+#
 # Why two megablocks builds: its csrc/cumsum.h calls cub::DeviceScan::{Exclusive,Inclusive}Sum with
 # the `debug_synchronous` argument, which CUB 3 (CCCL 3, in the CUDA 13 toolkit) removed (6 errors).
 #   A: unmodified source, CCCL 2.8's cub/thrust/libcu++ headers first on nvcc's include path
@@ -22,7 +25,7 @@
 # once (each is one or two nvcc processes); A and grouped_gemm-toolkit are preferred when they work.
 set -uo pipefail
 T0=$(date +%s)
-DEADLINE=$((T0 + 530))  # the whole script stays under 9 minutes
+DEADLINE=$((T0 + ${BUDGET_S:-530}))  # the whole script stays under 9 minutes unless BUDGET_S says otherwise
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 SRC=$(cd "${1:-.whl-mb}" && pwd) || { echo "no source folder ${1:-.whl-mb}"; exit 2; }
 OUT=${OUT:-/tmp/mb_out}
@@ -65,53 +68,67 @@ grep -h "define CUB_VERSION " $(find "$CUDA_HOME/include" -maxdepth 3 -name vers
 gcc --version | head -1; echo "cores: $(nproc), GPUs: $NGPU"
 ls -la "$SRC"
 
-phase "1. unpack"
-rm -rf "$WORK" && mkdir -p "$WORK/src"
-cd "$WORK/src" || exit 1
-tar xzf "$SRC/stanford_stk-0.7.1.tar.gz" && tar xzf "$SRC/grouped_gemm-0.3.0.tar.gz" && tar xzf "$SRC/megablocks-0.10.0.tar.gz" || stop "unpacking the sdists failed"
-mv stanford_stk-0.7.1 stk && mv grouped_gemm-0.3.0 gg_tk && cp -r gg_tk gg_cccl2
-mv megablocks-0.10.0 mb_A && cp -r mb_A mb_B
-python3 -m zipfile -e "$SRC"/nvidia_cuda_cccl_cu12-12.9.27-*.whl "$WORK/cccl2" || stop "unpacking the CCCL wheel failed"
-CCCL2=$WORK/cccl2/nvidia/cuda_cccl/include
-grep -h "define CUB_VERSION " "$CCCL2/cub/version.cuh"
-perl -0pi -e 's/stream,\s*debug_synchronous\)\)/stream))/g' mb_B/csrc/cumsum.h
-echo "route B patch: $(grep -c debug_synchronous\)\) mb_B/csrc/cumsum.h) calls still pass debug_synchronous (want 0)"
-diff -u mb_A/csrc/cumsum.h mb_B/csrc/cumsum.h
+if [ -n "${PREBUILT:-}" ]; then
+  phase "1-2. install the prebuilt wheels from $PREBUILT (no build)"
+  PRE=$(cd "$REPO" && cd "$PREBUILT" && pwd) || stop "no folder $PREBUILT"
+  rm -rf "$WORK" && mkdir -p "$WORK"
+  ok=()
+  for pair in stk:stanford_stk gg_tk:grouped_gemm mb_A:megablocks; do
+    name=${pair%%:*}; whl=$(ls "$PRE/${pair#*:}"-*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] || stop "no ${pair#*:} wheel in $PRE"
+    mkdir -p "$WORK/wheels/$name" && cp "$whl" "$WORK/wheels/$name/"
+    python3 -m pip install -q --no-deps --no-index --no-compile --target "$WORK/site-$name" "$whl" && ok+=("$name")
+  done
+  echo "installed: ${ok[*]}"
+else
+  phase "1. unpack"
+  rm -rf "$WORK" && mkdir -p "$WORK/src"
+  cd "$WORK/src" || exit 1
+  tar xzf "$SRC/stanford_stk-0.7.1.tar.gz" && tar xzf "$SRC/grouped_gemm-0.3.0.tar.gz" && tar xzf "$SRC/megablocks-0.10.0.tar.gz" || stop "unpacking the sdists failed"
+  mv stanford_stk-0.7.1 stk && mv grouped_gemm-0.3.0 gg_tk && cp -r gg_tk gg_cccl2
+  mv megablocks-0.10.0 mb_A && cp -r mb_A mb_B
+  python3 -m zipfile -e "$SRC"/nvidia_cuda_cccl_cu12-12.9.27-*.whl "$WORK/cccl2" || stop "unpacking the CCCL wheel failed"
+  CCCL2=$WORK/cccl2/nvidia/cuda_cccl/include
+  grep -h "define CUB_VERSION " "$CCCL2/cub/version.cuh"
+  perl -0pi -e 's/stream,\s*debug_synchronous\)\)/stream))/g' mb_B/csrc/cumsum.h
+  echo "route B patch: $(grep -c debug_synchronous\)\) mb_B/csrc/cumsum.h) calls still pass debug_synchronous (want 0)"
+  diff -u mb_A/csrc/cumsum.h mb_B/csrc/cumsum.h
 
-phase "2. build (in parallel, ${BUILD_TIMEOUT}s limit each): stk, grouped_gemm x2, megablocks A and B"
-CCCL2_FLAGS="-I$CCCL2 -DCUB_IGNORE_DEPRECATED_API -DTHRUST_IGNORE_DEPRECATED_API -DCCCL_IGNORE_DEPRECATED_API"
-build() {  # name target [VAR=value ...]: pip-build $WORK/src/<name> into $WORK/site-<target>
-  local name=$1 target=$2; shift 2
-  local start=$(date +%s)
-  (cd "$WORK/src/$name" && env "$@" TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout "$BUILD_TIMEOUT" \
-     python3 -m pip wheel -v --no-deps --no-build-isolation --no-index --no-cache-dir -w "$WORK/wheels/$name" . &&
-   python3 -m pip install --no-deps --no-index --no-compile --target "$WORK/site-$target" "$WORK/wheels/$name"/*.whl) \
-    >"$(log_of "$name")" 2>&1
-  local rc=$?
-  echo "$rc $(($(date +%s) - start))" >"$WORK/rc_$name"
-}
-pids=()
-build stk stk & pids+=($!)
-build gg_tk gg_tk & pids+=($!)
-build gg_cccl2 gg_cccl2 "NVCC_PREPEND_FLAGS=$CCCL2_FLAGS" & pids+=($!)
-build mb_A mb_A "NVCC_PREPEND_FLAGS=$CCCL2_FLAGS" & pids+=($!)
-build mb_B mb_B & pids+=($!)
-wait "${pids[@]}"  # (a bare `wait` would also wait for the tee of this script's log)
-ok=()
-for name in stk gg_tk gg_cccl2 mb_A mb_B; do
-  log=$(log_of "$name")
-  read -r rc secs <"$WORK/rc_$name"
-  echo "--- $name: exit $rc after ${secs}s (log: $log, $(grep -c 'ptxas info' "$log") ptxas info lines, $(grep -c -i 'warning' "$log") lines with 'warning')"
-  if [ "$rc" = 0 ]; then
-    ok+=("$name")
-  else
-    [ "$rc" = 124 ] && echo "    TIMED OUT"
-    grep -n -i -E "error|fatal" "$log" | grep -v -E "Werror|error_|_error|errors\.h" | head -25 | cut -c1-400
-    echo "    ... last lines:"; tail -15 "$log" | cut -c1-400
-  fi
-done
-echo "built: ${ok[*]:-nothing}"
-[[ " ${ok[*]:-} " == *" stk "* ]] || stop "stanford-stk (pure Python) did not install"
+  phase "2. build (in parallel, ${BUILD_TIMEOUT}s limit each): stk, grouped_gemm x2, megablocks A and B"
+  CCCL2_FLAGS="-I$CCCL2 -DCUB_IGNORE_DEPRECATED_API -DTHRUST_IGNORE_DEPRECATED_API -DCCCL_IGNORE_DEPRECATED_API"
+  build() {  # name target [VAR=value ...]: pip-build $WORK/src/<name> into $WORK/site-<target>
+    local name=$1 target=$2; shift 2
+    local start=$(date +%s)
+    (cd "$WORK/src/$name" && env "$@" TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout "$BUILD_TIMEOUT" \
+       python3 -m pip wheel -v --no-deps --no-build-isolation --no-index --no-cache-dir -w "$WORK/wheels/$name" . &&
+     python3 -m pip install --no-deps --no-index --no-compile --target "$WORK/site-$target" "$WORK/wheels/$name"/*.whl) \
+      >"$(log_of "$name")" 2>&1
+    local rc=$?
+    echo "$rc $(($(date +%s) - start))" >"$WORK/rc_$name"
+  }
+  pids=()
+  build stk stk & pids+=($!)
+  build gg_tk gg_tk & pids+=($!)
+  build gg_cccl2 gg_cccl2 "NVCC_PREPEND_FLAGS=$CCCL2_FLAGS" & pids+=($!)
+  build mb_A mb_A "NVCC_PREPEND_FLAGS=$CCCL2_FLAGS" & pids+=($!)
+  build mb_B mb_B & pids+=($!)
+  wait "${pids[@]}"  # (a bare `wait` would also wait for the tee of this script's log)
+  ok=()
+  for name in stk gg_tk gg_cccl2 mb_A mb_B; do
+    log=$(log_of "$name")
+    read -r rc secs <"$WORK/rc_$name"
+    echo "--- $name: exit $rc after ${secs}s (log: $log, $(grep -c 'ptxas info' "$log") ptxas info lines, $(grep -c -i 'warning' "$log") lines with 'warning')"
+    if [ "$rc" = 0 ]; then
+      ok+=("$name")
+    else
+      [ "$rc" = 124 ] && echo "    TIMED OUT"
+      grep -n -i -E "error|fatal" "$log" | grep -v -E "Werror|error_|_error|errors\.h" | head -25 | cut -c1-400
+      echo "    ... last lines:"; tail -15 "$log" | cut -c1-400
+    fi
+  done
+  echo "built: ${ok[*]:-nothing}"
+  [[ " ${ok[*]:-} " == *" stk "* ]] || stop "stanford-stk (pure Python) did not install"
+fi
 
 phase "3. smoke: megablocks_ops (each built route) and grouped_gemm (each build) against torch"
 smoke_ops() {  # site dir: exit 0 if megablocks_ops' sort/histogram/cumsum/replicate match torch
