@@ -70,6 +70,8 @@ def main():
     p.add_argument("--fused_adamw", action="store_true", help="torch.optim.AdamW(fused=True) instead of foreach")
     p.add_argument("--reuse_casts", action="store_true", help="(ep) cast expert weights to bf16 once per optimizer step")
     p.add_argument("--no_compile", action="store_true", help="(ep) eager element-wise steps in the MoE layer (no torch.compile)")
+    p.add_argument("--compile_dense", action="store_true",
+                   help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -110,7 +112,7 @@ def main():
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
-        "reuse_casts": args.reuse_casts,
+        "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "dense_gemm_tflops": gemm,
     }
@@ -131,6 +133,11 @@ def main():
             from torch.distributed.device_mesh import init_device_mesh
 
             fsdp_mesh = init_device_mesh(device.type, (world,))
+        if args.compile_dense:
+            for layer in model.model.layers:
+                for part in (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm):
+                    part.compile()
+            model.model.norm.compile()
         if args.ac:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)

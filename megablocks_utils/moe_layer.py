@@ -80,11 +80,18 @@ def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 @functools.cache
-def _fused(fn):
+def _fused(fn, all_dims_dynamic: bool = True):
     """``fn`` compiled: on CUDA its element-wise steps run as one generated kernel each way (forward and
-    backward) instead of several passes over [tokens * k, 2I] or [tokens * k, H]. Row counts change
-    every step, hence dynamic shapes. Compiled on first use, so CPU runs never load the compiler."""
-    return torch.compile(fn, dynamic=True)
+    backward) instead of several passes over [tokens * k, 2I] or [tokens * k, H]. Compiled on first use,
+    so CPU runs never load the compiler.
+
+    Row counts change every step, so shapes are dynamic. ``all_dims_dynamic=False`` leaves that to
+    torch.compile's automatic dynamic shapes: only the dimension that changed (the rows) becomes
+    symbolic and the width stays a constant. For SwiGLU on [rows, 2I] that makes the generated kernel
+    2.7x faster (forward + backward 1.39 ms vs 3.77 ms at 16384 x 28672 on an H200, bench/kernel_bench.py):
+    with a symbolic width every element pays for a 64-bit division to find its column. For the
+    router weighting the all-dynamic kernel measured faster (0.36 vs 0.52 ms), so it stays."""
+    return torch.compile(fn, dynamic=True if all_dims_dynamic else None)
 
 
 class _ReuseCast(torch.autograd.Function):
@@ -145,7 +152,7 @@ class ExpertParallelExperts(nn.Module):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             gate_up = _grouped_mm(x, w_gate_up.transpose(-2, -1), offs)
             if self.fuse_elementwise(gate_up) and self.is_silu:
-                hidden = _fused(_silu_mul)(gate_up)
+                hidden = _fused(_silu_mul, all_dims_dynamic=False)(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 hidden = self.act_fn(gate) * up
