@@ -73,6 +73,7 @@ def main():
     p.add_argument("--compile_dense", action="store_true",
                    help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
     p.add_argument("--compile_loss", action="store_true", help="torch.compile the cross-entropy (fp32 upcast of the logits fused)")
+    p.add_argument("--no_reshard", action="store_true", help="FSDP2 reshard_after_forward=False for the decoder layers")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -114,7 +115,7 @@ def main():
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
-        "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss,
+        "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss, "reshard_after_forward": not args.no_reshard,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "dense_gemm_tflops": gemm,
     }
@@ -141,7 +142,8 @@ def main():
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, ignored_params=experts or None)
+            fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, ignored_params=experts or None,
+                        reshard_after_forward=not args.no_reshard)
         fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=experts or None)
         groups = [{"params": [q for q in model.parameters() if q not in experts]}]
         if experts:
