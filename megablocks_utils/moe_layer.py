@@ -79,19 +79,29 @@ def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torc
     return (out * weights.unsqueeze(-1)).to(dtype)
 
 
+def _gather_combine(out: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k expert outputs (rows ``copy_row`` [T * k] of ``out``) weighted and summed in fp32.
+
+    The compiled form of weighting + ``index_add``: one kernel that gathers a token's k rows and writes
+    the token once, instead of a zero fill, a weighting pass and bf16 atomic adds. Its backward is a
+    gather too (each copy row belongs to exactly one token), so it needs no atomics either.
+    """
+    num_tokens, k = top_w.shape
+    rows = out[copy_row].view(num_tokens, k, out.shape[-1])
+    return (rows * top_w.unsqueeze(-1)).sum(dim=1).to(dtype)
+
+
 @functools.cache
-def _fused(fn, all_dims_dynamic: bool = True):
+def _fused(fn):
     """``fn`` compiled: on CUDA its element-wise steps run as one generated kernel each way (forward and
     backward) instead of several passes over [tokens * k, 2I] or [tokens * k, H]. Compiled on first use,
     so CPU runs never load the compiler.
 
-    Row counts change every step, so shapes are dynamic. ``all_dims_dynamic=False`` leaves that to
-    torch.compile's automatic dynamic shapes: only the dimension that changed (the rows) becomes
-    symbolic and the width stays a constant. For SwiGLU on [rows, 2I] that makes the generated kernel
-    2.7x faster (forward + backward 1.39 ms vs 3.77 ms at 16384 x 28672 on an H200, bench/kernel_bench.py):
-    with a symbolic width every element pays for a 64-bit division to find its column. For the
-    router weighting the all-dynamic kernel measured faster (0.36 vs 0.52 ms), so it stays."""
-    return torch.compile(fn, dynamic=True if all_dims_dynamic else None)
+    Row counts change every step. torch.compile's automatic dynamic shapes make only the dimension that
+    changed (the rows) symbolic and keep the width a constant. ``dynamic=True`` (every dimension symbolic)
+    made the SwiGLU kernel 2.7x slower (forward + backward 3.77 ms vs 1.39 ms at 16384 x 28672 on an
+    H200, bench/kernel_bench.py): with a symbolic width each element pays a 64-bit division for its column."""
+    return torch.compile(fn)
 
 
 class _ReuseCast(torch.autograd.Function):
@@ -152,7 +162,7 @@ class ExpertParallelExperts(nn.Module):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             gate_up = _grouped_mm(x, w_gate_up.transpose(-2, -1), offs)
             if self.fuse_elementwise(gate_up) and self.is_silu:
-                hidden = _fused(_silu_mul, all_dims_dynamic=False)(gate_up)
+                hidden = _fused(_silu_mul)(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 hidden = self.act_fn(gate) * up
@@ -199,9 +209,12 @@ class ExpertParallelExperts(nn.Module):
             source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
             out = all_to_all_single_autograd(source_major, send_splits, recv_splits, group)
 
+        if self.fuse_elementwise(out):
+            # out is in expert order; copy_row[t * k + j] is the row of token t's j-th choice.
+            copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+            return _fused(_gather_combine)(out, copy_row, top_w, x.dtype)
         weights = top_w.reshape(-1)[order]
-        weigh = _fused(_weigh) if self.fuse_elementwise(out) else _weigh
-        return torch.zeros_like(x).index_add(0, token_of_copy, weigh(out, weights, x.dtype))
+        return torch.zeros_like(x).index_add(0, token_of_copy, _weigh(out, weights, x.dtype))
 
 
 class ExpertParallelMoE(nn.Module):
