@@ -69,7 +69,7 @@ from megablocks_utils.inputs import (  # noqa: E402
     fsdp_requested,
     stop_together,
 )
-from megablocks_utils.loading import check_model_dir  # noqa: E402
+from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
 from megablocks_utils.settings import apply_overrides  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
@@ -136,6 +136,8 @@ try:
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
     read_alpaca(data_path)
     num_experts, experts_name = (None, "") if default_model_pending(model_name_or_path) else check_model_dir(model_name_or_path)
+    if not default_model_pending(model_name_or_path):
+        check_tokenizer_files(model_name_or_path)
     resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
     # accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything

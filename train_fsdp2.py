@@ -28,7 +28,7 @@ max_length = 256  # tokens per sample; longer samples are truncated
 per_device_train_batch_size = 4  # samples per rank per micro-step
 gradient_accumulation_steps = 2  # micro-steps per optimizer step
 learning_rate = 2e-3  # peak learning rate (the tiny model trains from scratch; ~1e-5 for Mixtral)
-lr_scheduler_type = "cosine"  # "cosine", "linear" or "constant_with_warmup"
+lr_scheduler_type = "cosine"  # "cosine", "linear", "constant_with_warmup", ... (SCHEDULERS below)
 warmup_steps = 5  # linear warmup steps
 weight_decay = 0.0  # AdamW weight decay
 max_grad_norm = 1.0  # clip the global gradient norm (0: no clipping, norm still logged)
@@ -52,12 +52,14 @@ peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, M
 # Only light modules before the inputs are checked (transformers and the model come after).
 from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.inputs import InputError, check_ep_size, check_output_dir, fail, stop_together  # noqa: E402
-from megablocks_utils.loading import check_model_dir  # noqa: E402
+from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
 from megablocks_utils.settings import apply_overrides  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
+# transformers' schedulers that need nothing beyond warmup and total steps
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 
 # ----------------------------------------------------------------------------- inputs
 # Checked on every rank alike from the same files, before the process group and anything heavy: a
@@ -67,8 +69,12 @@ try:
     globals().update(settings)
     if dtype not in ("auto", "bf16", "fp32"):
         raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
+    if lr_scheduler_type not in SCHEDULERS:
+        raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
     read_alpaca(data_path)
     num_experts, experts_name = (None, "") if default_model_pending(model_name_or_path) else check_model_dir(model_name_or_path)
+    if not default_model_pending(model_name_or_path):
+        check_tokenizer_files(model_name_or_path)
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -192,6 +198,10 @@ if resume_from:
     start_step = restored["step"]
     if master:
         print(f"resumed from {resume_from} at step {start_step} (written by {restored['world_size']} ranks)", flush=True)
+        if abs(scheduler.base_lrs[0] - learning_rate) > 1e-12 * max(abs(learning_rate), 1.0):
+            print(f"warning: the checkpoint's run used learning_rate={scheduler.base_lrs[0]:g}; a resumed run continues "
+                  f"its schedule, so learning_rate={learning_rate:g} is not used (to train with another rate, start a "
+                  "new run from the exported model)", flush=True)
         if restored["samples_per_step"] != batches.per_step:
             print(f"warning: the checkpoint's run used {restored['samples_per_step']} samples per step, this one "
                   f"{batches.per_step}: the data order after resume differs from the original run", flush=True)

@@ -202,6 +202,18 @@ def check_model_dir(model_dir: str) -> tuple[int | None, str]:
     return num_experts, field or spec.num_experts_attr
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def check_tokenizer_files(model_dir: str) -> None:
+    """The scripts tokenize with the model's own tokenizer: its files must be in the model directory."""
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        raise InputError(
+            f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer files "
+            "of the model's hub repository into this directory (train with the tokenizer the model was trained with)"
+        )
+
+
 def _copy_checked(out: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if out.shape != value.shape:
         raise InputError(

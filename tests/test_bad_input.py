@@ -184,7 +184,12 @@ EARLY_CASES = {
         "train_fsdp2.py": "launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`",
         "train_fsdp1.py": "launch with accelerate and the FSDP config, e.g. `accelerate launch --num_processes 2",
     }),
+    "no tokenizer files": (model_copy(remove("tokenizer.json", "tokenizer_config.json")), "has no tokenizer files (none of tokenizer.json, "),
     "unknown setting": (lambda tmp, model: ["--ep_sise", "2"], "unknown setting --ep_sise (did you mean --ep_size?); valid settings: "),
+    "unknown LR scheduler": (lambda tmp, model: ["--lr_scheduler_type", "cosinus"], {
+        "train_fsdp2.py": "lr_scheduler_type='cosinus' is unknown; choose one of linear, cosine,",
+        "train_fsdp1.py": "argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'cosinus'",
+    }),
     "setting of the wrong type": (lambda tmp, model: ["--max_steps", "ten"], {
         "train_fsdp2.py": "--max_steps expects an integer, got 'ten'",
         "train_fsdp1.py": "argument --max_steps/--max-steps: invalid int value: 'ten'; fix the TrainingArguments flag",

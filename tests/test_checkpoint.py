@@ -94,10 +94,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("nproc,ep,micro", [(2, 1, 2), (4, 2, 1), (4, 4, 1)], ids=["dp2-ep1", "dp2-ep2", "dp1-ep4"])
 def test_resume_on_another_mesh(tiny_model_dir, reference, tmp_path, nproc, ep, micro):
-    """A (dp=1, ep=2) checkpoint continues on other splits and world sizes with the same losses."""
+    """A (dp=1, ep=2) checkpoint continues on other splits and world sizes with the same losses.
+
+    A different --learning_rate on resume is not used (the checkpoint's schedule continues), and the run says so."""
     out = str(tmp_path / "run")
     ckpt = os.path.join(reference, "checkpoints", "step_00000004")
-    train(tiny_model_dir, out, nproc, *COMMON, "--per_device_train_batch_size", str(micro), "--ep_size", str(ep), "--resume", ckpt)
+    result = train(tiny_model_dir, out, nproc, *COMMON, "--per_device_train_batch_size", str(micro), "--ep_size", str(ep),
+                   "--resume", ckpt, "--learning_rate", "0.5")
+    assert result.stdout.count("a resumed run continues its schedule, so learning_rate=0.5 is not used") == 1, result.stdout[-2000:]
     expected = {step: (loss, norm) for step, loss, norm in losses(reference)}
     got = losses(out)
     assert [s for s, _, _ in got] == [5, 6]
