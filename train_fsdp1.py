@@ -79,18 +79,22 @@ training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in tr
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoint-*")  # what a run leaves in output_dir
 
 
+def complete_trainer_checkpoints(output_dir):
+    """checkpoint-N directories in output_dir, oldest first, without the ones cut short by a crash
+    (Trainer writes trainer_state.json last)."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    found = sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []
+    return [c for c in found if os.path.isfile(os.path.join(c, "trainer_state.json"))]
+
+
 def trainer_checkpoint(resume_from_checkpoint, output_dir):
     """--resume_from_checkpoint: true/last = the newest complete checkpoint-N in output_dir, or a path (checked)."""
     if resume_from_checkpoint is None:
         return None
     resume = resume_from_checkpoint
     if resume.lower() in ("true", "last"):
-        from transformers.trainer_utils import sort_checkpoints
-
-        # The newest complete one: Trainer writes trainer_state.json last, so a checkpoint cut short by a
-        # crash has none and is skipped.
-        found = sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []
-        complete = [c for c in found if os.path.isfile(os.path.join(c, "trainer_state.json"))]
+        complete = complete_trainer_checkpoints(output_dir)
         if not complete:
             raise InputError(
                 f"--resume_from_checkpoint {resume}: {output_dir} holds no complete checkpoint-* directory; drop "
@@ -135,8 +139,9 @@ try:
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
     read_alpaca(data_path)
-    num_experts, experts_name = (None, "") if default_model_pending(model_name_or_path) else check_model_dir(model_name_or_path)
+    num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
+        num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
     resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
@@ -431,10 +436,7 @@ dist.barrier()
 
 def where_to_continue(bad_step):
     """For the stop message: the newest complete checkpoint-N before the bad step, and how to go on from it."""
-    from transformers.trainer_utils import sort_checkpoints
-
-    found = [c for c in sort_checkpoints(args.output_dir) if os.path.isfile(os.path.join(c, "trainer_state.json"))
-             and int(c.rsplit("-", 1)[1]) < bad_step]
+    found = [c for c in complete_trainer_checkpoints(args.output_dir) if int(c.rsplit("-", 1)[1]) < bad_step]
     if not found:
         return "no checkpoint was saved before it (--save_strategy steps --save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
     return (f"the last good checkpoint is {found[-1]}; continue with --resume_from_checkpoint {found[-1]} --nonfinite skip "

@@ -7,6 +7,7 @@ Edit the settings below or override any of them on the command line (--name valu
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -72,8 +73,9 @@ try:
     if lr_scheduler_type not in SCHEDULERS:
         raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
     read_alpaca(data_path)
-    num_experts, experts_name = (None, "") if default_model_pending(model_name_or_path) else check_model_dir(model_name_or_path)
+    num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
+        num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
@@ -168,7 +170,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 experts = set(expert_parameters(model))
 if compile_dense and device.type == "cuda":
     compiled = compile_dense_parts(model)
-    if rank == 0:
+    if master:
         print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
 if activation_checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -198,7 +200,7 @@ if resume_from:
     start_step = restored["step"]
     if master:
         print(f"resumed from {resume_from} at step {start_step} (written by {restored['world_size']} ranks)", flush=True)
-        if abs(scheduler.base_lrs[0] - learning_rate) > 1e-12 * max(abs(learning_rate), 1.0):
+        if not math.isclose(scheduler.base_lrs[0], learning_rate):
             print(f"warning: the checkpoint's run used learning_rate={scheduler.base_lrs[0]:g}; a resumed run continues "
                   f"its schedule, so learning_rate={learning_rate:g} is not used (to train with another rate, start a "
                   "new run from the exported model)", flush=True)

@@ -134,7 +134,7 @@ class ExpertParallelExperts(nn.Module):
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
         self.cast_cache = None  # {dtype: (gate_up, down)} while inside ``reuse_expert_casts``
         self.is_silu = act_fn == "silu"
-        self.compile_elementwise = True  # fused (torch.compile) SiLU*up and router weighting on CUDA
+        self.compile_elementwise = True  # on CUDA, torch.compile the SiLU*up and the weighted combine of the k outputs
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
