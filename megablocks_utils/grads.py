@@ -1,10 +1,12 @@
 """Gradients of the global mean loss across two meshes: expert sync and a true global norm clip.
 
 Convention (the same as FSDP's): each rank's loss is ``world_size`` times its share of the global
-mean, and FSDP averages dense gradients over all ranks. An expert shard's gradient after backward
-holds only its own ep group's tokens, so it must be summed over the dp replicas and divided by
-``world_size`` to match; ``sync_expert_grads`` does that once per optimizer step (not per
-micro-step: summing is linear, so accumulated micro-step gradients can be reduced together).
+mean, and FSDP averages dense gradients over all ranks. An expert's gradient after backward holds
+only its own ep group's tokens, so it must be summed over the dp replicas and divided by
+``world_size`` to match. Under FSDP2 (``parallelize``) the experts' reduce-scatter does that (its
+divide factor is ``world_size``). ``sync_expert_grads`` does it by hand for the FSDP1 path, whose
+experts stay whole and replicated over dp, once per optimizer step (summing is linear, so
+accumulated micro-step gradients can be reduced together).
 """
 
 from collections import defaultdict
@@ -19,12 +21,19 @@ from .shard import expert_parameters
 
 
 def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
-    grads = [p.grad.to_local() for p in expert_parameters(model) if p.grad is not None]
+    """Sum each expert gradient over its dp replicas and divide by world_size (experts not under FSDP)."""
+    params = [p for p in expert_parameters(model) if p.grad is not None]
+    if any(p.device_mesh.ndim > 1 for p in params):
+        raise RuntimeError("these experts are under FSDP, whose reduce-scatter already averages their gradients; "
+                           "sync_expert_grads is for experts that FSDP leaves alone (the FSDP1 path)")
+    grads = [p.grad.to_local() for p in params]
     if not grads:
         return
-    if mesh.dp_size > 1:
+    groups = mesh.expert_dp_groups()
+    if groups:
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of two per layer
-        dist.all_reduce(flat, group=mesh.dp_group)
+        for group in groups:
+            dist.all_reduce(flat, group=group)
         for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(reduced.view_as(g))
     for g in grads:

@@ -95,6 +95,16 @@ def check_ep_size(ep_size: int, world_size: int, num_experts: int | None = None,
     return ep
 
 
+def check_dp_replicate(dp_replicate: int, dp: int, ep: int) -> int:
+    """The HSDP replica count, or an InputError naming the valid choices (it must divide dp = world / ep)."""
+    if dp_replicate < 1 or dp % dp_replicate != 0:
+        raise InputError(
+            f"dp_replicate={dp_replicate} must divide dp={dp} (world_size / ep_size={ep}); choose one of "
+            f"{divisors(dp)} (usually the number of nodes, so FSDP's all-gathers stay inside a node)"
+        )
+    return dp_replicate
+
+
 def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool, resuming: bool, resume_flag: str) -> list[str]:
     """Refuse an output directory that holds another run's ``results`` (glob patterns) unless told to
     overwrite them or to resume that run; returns what was found."""

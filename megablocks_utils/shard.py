@@ -30,8 +30,20 @@ def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The expert weights (DTensors on the (dp, ep) mesh): what FSDP must leave alone."""
+    """The expert weights: DTensors on the ep mesh (and, once FSDP shards them, on the whole expert mesh)."""
     return [p for block in moe_blocks(model) for p in block.experts.parameters()]
+
+
+def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """This ep rank's whole expert blocks (gate_up [El, 2I, H], down [El, H, I]), gathered over dp if FSDP
+    shards them. Collective when sharded: every rank must call it for the same module."""
+    out = []
+    for p in (experts.gate_up_proj, experts.down_proj):
+        p = p.detach()
+        if isinstance(p, DTensor) and p.device_mesh.ndim > 1:  # FSDP-sharded: (replicate, shard, ep)
+            p = p.redistribute(placements=[Replicate()] * (p.device_mesh.ndim - 1) + [Shard(0)])
+        out.append(p.to_local() if isinstance(p, DTensor) else p)
+    return out[0], out[1]
 
 
 def _start_recording_router(model: nn.Module, args) -> None:
@@ -40,7 +52,7 @@ def _start_recording_router(model: nn.Module, args) -> None:
 
 
 def _as_expert_dtensor(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
-    return DTensor.from_local(local, mesh.mesh, [Replicate(), Shard(0)], run_check=False)
+    return DTensor.from_local(local, mesh.ep, [Shard(0)], run_check=False)
 
 
 def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> None:
@@ -84,7 +96,7 @@ def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device
 
 def shard_moe(
     model: nn.Module,
-    ep_size: int,
+    mesh: MoEMesh | int,
     *,
     model_dir: str | None = None,
     device: torch.device | str | None = None,
@@ -100,7 +112,9 @@ def shard_moe(
     ``model`` is either built on the meta device (then ``model_dir`` supplies every weight: dense
     ones whole, experts as this rank's slices only) or a materialised transformers model (then the
     local experts are sliced out of it). Returns the mesh; the model is modified in place.
-    ``timeout`` bounds the collectives on the mesh's groups (see ``build_mesh``).
+    ``mesh``: the script's ``build_mesh(...)``, or an ep size (then a mesh is built with its defaults
+    and ``timeout``, which bounds the collectives on the mesh's groups; see ``build_mesh``).
+    FSDP (``parallelize``) is applied afterwards; until then each expert DTensor is Shard(0) over ep.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_backend(moe_backend, device.type)
@@ -112,7 +126,10 @@ def shard_moe(
     renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else getattr(config, spec.renormalize)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    mesh = build_mesh(ep_size, device.type, num_experts, spec.num_experts_attr, timeout=timeout)
+    if isinstance(mesh, int):
+        mesh = build_mesh(mesh, device.type, num_experts, spec.num_experts_attr, timeout=timeout)
+    elif num_experts % mesh.ep_size != 0:
+        raise ValueError(f"{spec.num_experts_attr}={num_experts} is not divisible by the mesh's ep size {mesh.ep_size}")
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and model_dir is None:
         raise ValueError("the model is on the meta device: pass model_dir so shard_moe can load its weights")
@@ -181,7 +198,7 @@ def shard_moe(
 
 def load_model(
     model_dir: str,
-    ep_size: int,
+    mesh: MoEMesh | int,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
@@ -190,7 +207,8 @@ def load_model(
 ) -> tuple[nn.Module, MoEMesh]:
     """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``.
 
-    ``timeout``: for the mesh's collectives (see ``build_mesh``); the scripts pass the process group's.
+    ``mesh``: the script's ``build_mesh(...)`` (or an ep size, see ``shard_moe``); ``timeout``: for a
+    mesh built here (see ``build_mesh``).
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local model")
@@ -200,5 +218,5 @@ def load_model(
     spec_for(config)  # fail early, with the list of supported models
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    mesh = shard_moe(model, ep_size, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
+    mesh = shard_moe(model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
     return model, mesh

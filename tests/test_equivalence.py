@@ -9,15 +9,15 @@ from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 
 from megablocks_utils import (
     IGNORE_INDEX,
+    build_mesh,
     causal_lm_loss_sum,
     clip_grad_norm_,
     count_label_tokens,
     expert_parameters,
     router_stats,
-    shard_moe,
     spec_for,
-    sync_expert_grads,
 )
+from megablocks_utils.parallelize import parallelize
 
 TOL = 1e-5
 
@@ -38,7 +38,9 @@ def make_batch(vocab: int, batch: int = 4, seq: int = 12):
     return input_ids, mask, labels
 
 
-def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mixtral"):
+def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mixtral", shard_experts=True, dp_replicate=1):
+    """The parallelized model (EP + FSDP2 on the dense weights and the experts, as the script runs it)
+    against transformers' model on the whole batch in one process."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_moe_config(arch, num_experts_per_tok=top_k)
@@ -56,19 +58,16 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     ref_out = reference(input_ids, attention_mask=mask, labels=labels, output_router_logits=True)
     ref_out.loss.backward()
 
-    mesh = shard_moe(model, ep_size, device="cpu")
+    mesh = build_mesh(ep_size, "cpu", shard_experts=shard_experts, dp_replicate=dp_replicate)
+    parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
+    expert_shards = {p.device_mesh.ndim for p in expert_parameters(model)}
+    assert expert_shards == {3}, "FSDP did not take the experts over"
     rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
     out = model(input_ids[rows], attention_mask=mask[rows])
     stats = router_stats(model, mask[rows], mesh.world.get_group())
     ce = causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels)
     loss = world * (ce + config.router_aux_loss_coef * stats.local)
     loss.backward()
-    experts = {id(p) for p in expert_parameters(model)}
-    for p in model.parameters():  # what FSDP does for dense parameters: average over all ranks
-        if id(p) not in experts:
-            dist.all_reduce(p.grad)
-            p.grad /= world
-    sync_expert_grads(model, mesh)
 
     global_loss = loss.detach() / world
     dist.all_reduce(global_loss)
@@ -79,15 +78,13 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names) == sorted(ref_params), "parameter names differ from transformers'"
     for name, p in model.named_parameters():
-        grad = p.grad.full_tensor() if id(p) in experts else p.grad
+        grad = p.grad.full_tensor()
         assert grad.shape == ref_params[name].grad.shape, name
         assert rel_err(grad, ref_params[name].grad) <= TOL, (name, rel_err(grad, ref_params[name].grad))
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     norm = clip_grad_norm_(model.parameters(), max_norm=0.5 * float(ref_norm))
     assert rel_err(norm, ref_norm) <= TOL, (norm, ref_norm)
-    clipped = torch.nn.utils.get_total_norm(
-        [p.grad.full_tensor() if id(p) in experts else p.grad for p in model.parameters()]
-    )
+    clipped = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in model.parameters()])
     assert rel_err(clipped, 0.5 * ref_norm) <= 1e-4, (clipped, ref_norm)
     if routing == "collapsed":  # the layer really saw experts with no tokens anywhere
         assert (stats.tokens_per_expert == 0).any()
@@ -116,3 +113,17 @@ def test_collapsed_routing_is_exact(top_k):
 
 def test_single_rank_ep1_matches():
     run_ranks(check_matches_single_process, 1, 1, "learned", 2)
+
+
+def check_other_layouts(rank, world):
+    """Experts replicated over dp (shard_experts off) and HSDP (2 replicas x 2 shards) on 4 ranks."""
+    for ep_size, shard_experts, dp_replicate in [(2, False, 1), (1, True, 2), (2, True, 2)]:
+        try:
+            check_matches_single_process(rank, world, ep_size, "learned", 2, "qwen2_moe", shard_experts, dp_replicate)
+        except AssertionError as e:
+            raise AssertionError(f"ep={ep_size} shard_experts={shard_experts} dp_replicate={dp_replicate}: {e}") from e
+
+
+def test_replicated_experts_and_hsdp_match_single_process():
+    """The other expert layout and HSDP on 4 ranks; Qwen2-MoE (shared expert and a dense layer) covers most."""
+    run_ranks(check_other_layouts, 4)

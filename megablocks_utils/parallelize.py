@@ -1,0 +1,97 @@
+"""All parallelism of a model, applied in one place and in one order.
+
+    mesh = build_mesh(ep_size, ..., shard_experts=..., dp_replicate=...)   # the script owns the mesh
+    model, mesh = load_model(model_dir, mesh, ...)                        # 1. EP: each rank loads its experts
+    parallelize(model, mesh, ...)                                         # 2-4
+
+1. Expert parallelism: every MoE block becomes ``ExpertParallelMoE``, whose experts are DTensors
+   sharded over ``mesh.ep`` (``shard_moe``; ``load_model`` does it while loading, so a rank reads only
+   its own experts; ``parallelize`` does it for a model that is still a plain transformers model).
+2. Activation checkpointing per decoder layer ("full" or "selective"; ``checkpointing.py``). It
+   wraps the layer's forward, so it comes before FSDP's hooks and before compile.
+3. compile: each layer's attention and norms (``compile_dense.py``), CUDA only.
+4. FSDP2, inner modules first: each MoE block's experts over ``mesh.expert_fsdp`` (HSDP:
+   replicated over "dp_replicate", sharded over "dp_shard"), then each decoder layer and the root
+   over ``mesh.dense``. The experts' reduce-scatter divides by ``world_size`` (not by its dp size):
+   an expert's gradient holds only its own ep group's tokens, and each rank's loss is
+   ``world_size`` times its share of the global mean (``grads.py``).
+
+docs/parallelism.md says which mesh each parameter lives on and how each gradient is reduced.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from .checkpointing import apply_activation_checkpointing
+from .compile_dense import compile_dense_parts
+from .mesh import MoEMesh
+from .models import decoder_layers
+from .shard import moe_blocks, shard_moe
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: MoEMesh,
+    *,
+    param_dtype: torch.dtype = torch.bfloat16,
+    activation_checkpointing: str = "none",
+    compile_dense: bool = False,
+    fsdp: bool = True,
+    reshard_after_forward: bool = True,
+    device: torch.device | str | None = None,
+) -> int:
+    """Apply EP (if not yet), activation checkpointing, compile and FSDP2 to ``model`` in place.
+
+    ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32).
+    ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). Returns the
+    number of modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print.
+    """
+    if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
+        shard_moe(model, mesh, device=device)
+    apply_activation_checkpointing(model, activation_checkpointing)  # 2.
+    compiled = 0
+    if compile_dense and mesh.device_type == "cuda":  # 3.
+        compiled = compile_dense_parts(model)
+    if fsdp:  # 4.
+        _apply_fsdp(model, mesh, param_dtype, reshard_after_forward)
+    return compiled
+
+
+def _expert_shard_dim(param: nn.Parameter) -> Shard:
+    # Dim 0 holds this rank's experts, often fewer than the dp ranks (1 at ep = 8 of 8 experts), so
+    # FSDP splits each expert's rows instead (dim 1: 2I for gate_up, H for down), evenly.
+    return Shard(1)
+
+
+def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in moe_blocks(model):
+        experts = fully_shard(
+            block.experts, mesh=mesh.expert_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=_expert_shard_dim,
+        )
+        experts.set_gradient_divide_factor(float(mesh.world_size))
+        if mesh.device_type != "cuda" and mesh.expert_shard_size > 1:
+            # gloo has no pre-multiplied sum (NCCL's way to divide by a custom factor): a plain sum,
+            # then a division. Not with one shard: torch (2.13) then divides twice on that path.
+            experts.set_force_sum_reduction_for_comms(True)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+
+
+def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) -> None:
+    """Before each micro-step's backward: when FSDP reduces gradients.
+
+    Dense gradients are reduced once per optimizer step, on the last micro-step (they wait unsharded
+    until then; dense layers are small). Experts sharded over dp are reduced at every micro-step:
+    waiting would keep each layer's unsharded fp32 expert gradients alive across micro-steps, the
+    very memory that sharding them saves.
+    """
+    experts = {id(block.experts) for block in moe_blocks(model)}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            every_step = id(module) in experts and mesh.expert_shard_size > 1
+            module.set_requires_gradient_sync(last_micro_step or every_step, recurse=False)
