@@ -24,6 +24,9 @@ data_path = "data.json"  # alpaca-format JSON list of {instruction, input, outpu
 output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF model (final/)
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
+shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
+dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
+optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/optim.py)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per sample; longer samples are truncated
 per_device_train_batch_size = 4  # samples per rank per micro-step
@@ -37,7 +40,7 @@ max_steps = 40  # optimizer steps; -1 = num_train_epochs over the data
 num_train_epochs = 1  # used when max_steps = -1
 seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
-activation_checkpointing = False  # recompute decoder layers in backward (non-reentrant); on for big models
+activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 save_steps = 0  # write a sharded checkpoint (DCP) every N steps to output_dir/checkpoints; 0 = off
@@ -48,12 +51,23 @@ max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step woul
 collective_timeout_s = 600  # a collective waiting longer than this for another rank (dead or stuck) ends the run with an error
 logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step)
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
+gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a smaller GPU); 0 = all of it
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
 from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
-from megablocks_utils.inputs import InputError, check_ep_size, check_output_dir, fail, stop_together  # noqa: E402
+from megablocks_utils.inputs import (  # noqa: E402
+    InputError,
+    check_dp_replicate,
+    check_ep_size,
+    check_output_dir,
+    fail,
+    resolve_shard_experts,
+    stop_together,
+)
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
+from megablocks_utils.checkpointing import ACTIVATION_CHECKPOINTING  # noqa: E402
+from megablocks_utils.optim import OPTIMIZERS  # noqa: E402
 from megablocks_utils.settings import apply_overrides  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
@@ -72,6 +86,11 @@ try:
         raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
     if lr_scheduler_type not in SCHEDULERS:
         raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
+    activation_checkpointing = {"true": "full", "false": "none"}.get(str(activation_checkpointing).lower(), activation_checkpointing)
+    if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise InputError(f"activation_checkpointing={activation_checkpointing!r} is unknown; choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    if optim not in OPTIMIZERS:
+        raise InputError(f"optim={optim!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
     read_alpaca(data_path)
     num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
@@ -81,21 +100,14 @@ try:
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
     ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
+    check_dp_replicate(dp_replicate, int(os.environ["WORLD_SIZE"]) // ep, ep)
+    experts_sharded = resolve_shard_experts(shard_experts, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
 except InputError as e:
     fail(e)
 
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
-from megablocks_utils import (  # noqa: E402
-    causal_lm_loss_sum,
-    clip_grad_norm_,
-    compile_dense_parts,
-    expert_parameters,
-    load_model,
-    reuse_expert_casts,
-    router_stats,
-    sync_expert_grads,
-)
+from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
     complete_checkpoints,
@@ -107,11 +119,15 @@ from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa:
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
+from megablocks_utils.optim import build_optimizer, param_dtype  # noqa: E402
+from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 use_cuda = torch.cuda.is_available()
 if use_cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if gpu_memory_gib > 0:  # the caching allocator refuses to grow past this share of the GPU
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_gib * 2**30 / torch.cuda.get_device_properties().total_memory))
 device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 # The timeout bounds how long a rank waits in a collective for another one (also the mesh's groups,
 # see build_mesh): a rank that died or hangs ends the run with an error on the others, not a hang.
@@ -150,45 +166,38 @@ with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     dataset, dropped = build_dataset(data_path, tokenizer, max_length)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
+# The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
+mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
+                  shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():
-    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend, timeout=timeout)
+    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
 if master:
     print(
-        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {len(dataset)} samples ({dropped} dropped: "
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
+        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {len(dataset)} samples ({dropped} dropped: "
         f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
         flush=True,
     )
 
 # ----------------------------------------------------------------------------- parallelize
-# Order matters: activation checkpointing first (it wraps each layer's forward), then FSDP2 per
-# decoder layer and at the root. Expert weights are already sharded by EP: FSDP must not touch them.
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-
-experts = set(expert_parameters(model))
-if compile_dense and device.type == "cuda":
-    compiled = compile_dense_parts(model)
-    if master:
-        print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
-if activation_checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-for layer in model.model.layers:
-    fully_shard(layer, mesh=mesh.world, mp_policy=mp_policy, ignored_params=experts)
-fully_shard(model, mesh=mesh.world, mp_policy=mp_policy, ignored_params=experts)
+# EP was applied while loading; then activation checkpointing, compile and FSDP2 (experts over dp,
+# dense weights over all ranks), in that order (megablocks_utils/parallelize.py).
+compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
+                       compile_dense=compile_dense, device=device)
+if master and compiled:
+    print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
+experts = set(expert_parameters(model))  # FSDP replaced them with its sharded parameters
 model.train()
 
 # ----------------------------------------------------------------------------- optimizer and schedule
-# Two parameter groups: dense (FSDP's mesh) and experts (the (dp, ep) mesh); foreach kernels
-# cannot mix DTensors of different meshes in one call.
+# Two parameter groups: dense (FSDP's mesh) and experts (the expert mesh); foreach and fused
+# kernels cannot mix DTensors of different meshes in one call.
 dense_params = [p for p in model.parameters() if p not in experts]
-# fused AdamW on GPU: 7-8% faster steps at Mixtral width (BENCHMARKS.md); foreach on CPU.
-optimizer = torch.optim.AdamW(
-    [{"params": dense_params}, {"params": list(experts)}], lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.95),
-    fused=True if use_cuda else None,
-)
+optimizer = build_optimizer(optim, [{"params": dense_params}, {"params": list(experts)}], lr=learning_rate,
+                            betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, device_type=device.type)
 scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
 start_step = 0
@@ -258,23 +267,20 @@ for step in range(start_step, total_steps):
     # (summed over ranks below).
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     tokens_per_expert = 0
-    # Expert weights are cast to bf16 once per optimizer step, not again at every micro-step.
-    with reuse_expert_casts(model):
-        for i, indices in enumerate(micro_batches):
-            # Gradients are reduced once, on the last micro-step, not after every micro-batch.
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            stats = router_stats(model, batch["attention_mask"], world_group)
-            ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
-            # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
-            loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
-            loss.backward()
-            sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                                 batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
-                                 (~torch.isfinite(loss.detach())).double()])
-            tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
-    sync_expert_grads(model, mesh)
+    for i, indices in enumerate(micro_batches):
+        # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
+        set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
+        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        stats = router_stats(model, batch["attention_mask"], world_group)
+        ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
+        # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
+        loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
+        loss.backward()
+        sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
+                             batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
+                             (~torch.isfinite(loss.detach())).double()])
+        tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
     inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     # Before the optimizer step, so every rank decides on the same global loss and norm.

@@ -1,6 +1,6 @@
 """Write a Hugging Face checkpoint in hub layout (one tensor per expert), without gathering experts.
 
-Each ep rank of the first dp replica writes its own experts to its own safetensors file (a model
+Each ep rank of the first dp replica writes its own experts (gathered over dp where FSDP shards them) to its own safetensors file (a model
 whose hub layout stacks a layer's experts in one tensor, Granite, gathers one layer at a time to
 rank 0 instead); rank 0 writes the dense weights (gathered from FSDP one tensor at a time), the
 index, the config and the tokenizer. The directory appears under its final name only when every file is written.
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from .mesh import MoEMesh
 from .models import MoESpec, decoder_layers, spec_for
 from .moe_layer import ExpertParallelMoE
+from .shard import local_expert_weights
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -180,14 +181,14 @@ def _write_local_experts(layers, spec: MoESpec, mesh: MoEMesh, tmp_dir: str, n_f
         for e in range(block.experts.num_experts):
             owner = e // local_experts
             expert_files.update({n: shard_file_name(1 + owner, n_files) for n in expert_hub_names(spec, index, e)})
-    if mesh.dp_rank == 0:
-        tensors = {}
-        for index, layer in enumerate(layers):
-            block = getattr(layer, spec.block_attr)
-            if isinstance(block, ExpertParallelMoE):
-                gate_up = block.experts.gate_up_proj.to_local().detach()
-                down = block.experts.down_proj.to_local().detach()
+    tensors = {}
+    for index, layer in enumerate(layers):
+        block = getattr(layer, spec.block_attr)
+        if isinstance(block, ExpertParallelMoE):
+            gate_up, down = local_expert_weights(block.experts)  # every rank joins a gather over dp
+            if mesh.dp_rank == 0:
                 tensors.update(expert_hub_tensors(spec, index, mesh.ep_rank * local_experts, cast(gate_up).cpu(), cast(down).cpu()))
+    if mesh.dp_rank == 0:
         save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + mesh.ep_rank, n_files)), metadata={"format": "pt"})
     return expert_files
 

@@ -105,6 +105,23 @@ def check_dp_replicate(dp_replicate: int, dp: int, ep: int) -> int:
     return dp_replicate
 
 
+# Inside one node, shard experts over dp too (see resolve_shard_experts and BENCHMARKS.md).
+SHARD_EXPERTS_IN_ONE_NODE = True
+
+
+def resolve_shard_experts(setting: str, world_size: int, local_world_size: int) -> bool:
+    """The ``shard_experts`` setting ("auto", "true", "false") as a decision.
+
+    "auto": always when the job spans more than one node (replicated experts would not shrink as
+    nodes are added); inside one node, ``SHARD_EXPERTS_IN_ONE_NODE``, the choice measured on GPUs.
+    """
+    if setting not in ("auto", "true", "false"):
+        raise InputError(f"shard_experts={setting!r} is unknown; choose auto, true or false")
+    if setting != "auto":
+        return setting == "true"
+    return world_size > local_world_size > 0 or SHARD_EXPERTS_IN_ONE_NODE
+
+
 def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool, resuming: bool, resume_flag: str) -> list[str]:
     """Refuse an output directory that holds another run's ``results`` (glob patterns) unless told to
     overwrite them or to resume that run; returns what was found."""

@@ -135,3 +135,23 @@ def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, reference, tmp_pa
     assert "is corrupt or truncated" in result.stderr, result.stderr[-3000:]
     export = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
     assert export.returncode == 2 and "corrupt or truncated" in export.stdout, export.stdout + export.stderr[-2000:]
+
+
+OLD = os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_expert_fsdp")
+
+
+@pytest.mark.parametrize("nproc,ep,micro", [(2, 2, 2), (4, 2, 1)], ids=["dp1-ep2", "dp2-ep2-sharded"])
+def test_resume_from_a_checkpoint_written_before_experts_were_fsdp_sharded(tmp_path, nproc, ep, micro):
+    """A checkpoint of the old layout (experts replicated over dp, no FSDP on them) resumes into the new
+    one, also with experts FSDP-sharded over dp = 2, and continues the old run's losses."""
+    out = str(tmp_path / "run")
+    shutil.copytree(os.path.join(OLD, "step_00000002"), os.path.join(out, "checkpoints", "step_00000002"))
+    train(os.path.join(OLD, "model"), out, nproc, "--max_steps", "4", "--save_steps", "0", "--gradient_accumulation_steps", "2",
+          "--warmup_steps", "2", "--per_device_train_batch_size", str(micro), "--ep_size", str(ep), "--resume", "auto",
+          "--shard_experts", "true")
+    expected = {r["step"]: r for r in read_jsonl(os.path.join(OLD, "metrics.jsonl"))}
+    got = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert len(expected) == 4 and [r["step"] for r in got] == [3, 4], [r["step"] for r in got]
+    for r in got:
+        for key in ("loss", "grad_norm"):
+            assert abs(r[key] - expected[r["step"]][key]) <= 1e-5 * abs(expected[r["step"]][key]), (r["step"], key, r[key])

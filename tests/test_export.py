@@ -5,18 +5,10 @@ import os
 import torch
 import torch.distributed as dist
 from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
-from torch.distributed.fsdp import fully_shard
 
-from megablocks_utils import (
-    causal_lm_loss_sum,
-    count_label_tokens,
-    expert_parameters,
-    router_stats,
-    shard_moe,
-    spec_for,
-    sync_expert_grads,
-)
+from megablocks_utils import build_mesh, causal_lm_loss_sum, count_label_tokens, expert_parameters, router_stats, spec_for
 from megablocks_utils.export import export_hf
+from megablocks_utils.parallelize import parallelize
 
 
 def check_export_round_trip(rank, world, ep_size, out, arch="mixtral"):
@@ -24,17 +16,14 @@ def check_export_round_trip(rank, world, ep_size, out, arch="mixtral"):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
-    mesh = shard_moe(model, ep_size, device="cpu")
+    mesh = build_mesh(ep_size, "cpu")  # experts FSDP-sharded over dp as well where dp > 1
+    parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
     experts = set(expert_parameters(model))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh.world, ignored_params=experts)
-    fully_shard(model, mesh=mesh.world, ignored_params=experts)
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p not in experts]}, {"params": list(experts)}], lr=1e-2)
     ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(rank))
     out_ = model(ids)
     stats = router_stats(model, None, mesh.world.get_group())
     (world * (causal_lm_loss_sum(out_.logits, ids) / (count_label_tokens(ids) * world) + 0.02 * stats.local)).backward()
-    sync_expert_grads(model, mesh)
     optimizer.step()  # the exported weights are trained ones, not the initial ones
 
     probe = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(99))
