@@ -160,6 +160,7 @@ start_step = 0 if resume is None else json.load(open(os.path.join(resume, "train
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
+    build_mesh,
     causal_lm_loss_sum,
     clip_grad_norm_,
     count_label_tokens,
@@ -216,7 +217,10 @@ with stop_together():
         dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
     )
 with stop_together():
-    model, mesh = load_model(model_name_or_path, ep, device=device, moe_backend=moe_backend, timeout=args.ddp_timeout_delta)
+    # FSDP1 cannot shard the experts' DTensors, so they stay whole on their ep rank and replicated over
+    # dp (sync_expert_grads sums their gradients); train_fsdp2.py shards them over dp as well.
+    mesh = build_mesh(ep, device.type, None, timeout=args.ddp_timeout_delta, shard_experts=False)
+    model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)

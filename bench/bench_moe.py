@@ -5,7 +5,7 @@
 Configurations (same global batch, same model width, bf16 compute with fp32 master weights, AdamW):
   eager       FSDP2 over all ranks, transformers' experts with experts_implementation="eager"
   grouped_mm  FSDP2 over all ranks, transformers' experts with experts_implementation="grouped_mm"
-  ep          ours: shard_moe (ep = all ranks, native backend) + FSDP2 on the dense weights
+  ep          ours: shard_moe (--ep, default all ranks) + parallelize (FSDP2 on the dense weights and the experts)
   megablocks  the same with moe_backend="megablocks" (megablocks' dropless MoE + grouped_gemm; README)
 Weights are random, created on the GPUs (no checkpoint). Appends one JSON line per run to --out.
 Configuration (d), FSDP1 + EP through HF Trainer (train_fsdp1.py itself), is bench/bench_fsdp1.py.
@@ -68,12 +68,16 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--fused_adamw", action="store_true", help="torch.optim.AdamW(fused=True) instead of foreach")
-    p.add_argument("--reuse_casts", action="store_true", help="(ep) cast expert weights to bf16 once per optimizer step")
+    p.add_argument("--reuse_casts", action="store_true", help="(ep) no longer used: FSDP2 casts the experts once per all-gather")
     p.add_argument("--no_compile", action="store_true", help="(ep) eager element-wise steps in the MoE layer (no torch.compile)")
     p.add_argument("--compile_dense", action="store_true",
                    help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
     p.add_argument("--compile_loss", action="store_true", help="torch.compile the cross-entropy (fp32 upcast of the logits fused)")
     p.add_argument("--no_reshard", action="store_true", help="FSDP2 reshard_after_forward=False for the decoder layers")
+    p.add_argument("--ep", type=int, default=0, help="(ep, megablocks) expert-parallel degree; 0 = all ranks")
+    p.add_argument("--shard_experts", choices=["true", "false"], default="true",
+                   help="(ep, megablocks) FSDP-shard experts over dp too, or replicate them over dp")
+    p.add_argument("--selective_ac", action="store_true", help="(ep, megablocks) selective instead of full checkpointing with --ac")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--out", default="bench/results.jsonl")
@@ -85,17 +89,9 @@ def main():
 
     from contextlib import nullcontext
 
-    from megablocks_utils import (
-        causal_lm_loss_sum,
-        compile_dense_parts,
-        expert_parameters,
-        moe_blocks,
-        reuse_expert_casts,
-        router_stats,
-        shard_moe,
-        sync_expert_grads,
-    )
+    from megablocks_utils import build_mesh, causal_lm_loss_sum, compile_dense_parts, expert_parameters, moe_blocks, router_stats, shard_moe
     from megablocks_utils.grads import clip_grad_norm_
+    from megablocks_utils.parallelize import parallelize, set_gradient_sync
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -117,6 +113,7 @@ def main():
         "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
         "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss, "reshard_after_forward": not args.no_reshard,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
+        "ep": args.ep or world, "shard_experts": args.shard_experts == "true", "selective_ac": args.selective_ac,
         "dense_gemm_tflops": gemm,
     }
     try:
@@ -126,25 +123,28 @@ def main():
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **impl)
         experts = set()
-        if sharded:
-            mesh = shard_moe(model, world, device=device, moe_backend="megablocks" if args.config == "megablocks" else "native")
-            experts = set(expert_parameters(model))
+        compute_dtype = torch.bfloat16 if cuda else torch.float32
+        if sharded:  # ours: the same parallelize() as train_fsdp2.py
+            mesh = build_mesh(args.ep or world, device.type, shard_experts=args.shard_experts == "true")
+            shard_moe(model, mesh, device=device, moe_backend="megablocks" if args.config == "megablocks" else "native")
             for block in moe_blocks(model):
                 block.experts.compile_elementwise = not args.no_compile
-            fsdp_mesh = mesh.world
+            ac = ("selective" if args.selective_ac else "full") if args.ac else "none"
+            parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=ac, compile_dense=args.compile_dense,
+                        reshard_after_forward=not args.no_reshard)
+            experts = set(expert_parameters(model))
         else:
             from torch.distributed.device_mesh import init_device_mesh
 
             fsdp_mesh = init_device_mesh(device.type, (world,))
-        if args.compile_dense:
-            compile_dense_parts(model)
-        if args.ac:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, ignored_params=experts or None,
-                        reshard_after_forward=not args.no_reshard)
-        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=experts or None)
+            if args.compile_dense:
+                compile_dense_parts(model)
+            if args.ac:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=not args.no_reshard)
+            fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
         groups = [{"params": [q for q in model.parameters() if q not in experts]}]
         if experts:
             groups.append({"params": list(experts)})
@@ -176,17 +176,18 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            with reuse_expert_casts(model) if args.reuse_casts else nullcontext():
+            with nullcontext():
                 for i, ids in enumerate(batches):
-                    model.set_requires_gradient_sync(i == len(batches) - 1)
+                    if sharded:
+                        set_gradient_sync(model, mesh, i == len(batches) - 1)
+                    else:
+                        model.set_requires_gradient_sync(i == len(batches) - 1)
                     logits = model(input_ids=ids).logits
                     loss = loss_fn(logits, ids) / (ids.numel() * len(batches))
                     if sharded:
                         loss = world * loss + world * 0.02 * router_stats(model, None, mesh.world.get_group()).local / len(batches)
                     loss.backward()
                     del logits, loss
-            if sharded:
-                sync_expert_grads(model, mesh)
             clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -9,7 +9,7 @@ experts stay whole and replicated over dp, once per optimizer step (summing is l
 accumulated micro-step gradients can be reduced together).
 """
 
-from collections import defaultdict
+import math
 
 import torch
 import torch.distributed as dist
@@ -40,52 +40,48 @@ def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
         g.div_(mesh.world_size)
 
 
-def _mesh_key(grad: torch.Tensor):
+def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.ProcessGroup | None) -> float:
+    """How many ranks hold each element of ``grad``'s local shard (its replication over the world)."""
     if isinstance(grad, DTensor):
-        return (id(grad.device_mesh), tuple(grad.placements))
-    return None
+        mesh = grad.device_mesh
+        shards = math.prod(mesh.size(i) for i, placement in enumerate(grad.placements) if placement.is_shard())
+        return world_size / shards
+    if sharded_group is not None:
+        return world_size / sharded_group.size()
+    return float(world_size)
 
 
 def clip_grad_norm_(
     parameters, max_norm: float, foreach: bool | None = None, *, sharded_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Clip all gradients by their true global 2-norm and return it (a plain tensor).
+    """Clip all gradients by their true global 2-norm and return it (a plain fp32 tensor).
 
-    ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP's 1-D mesh and
-    the experts' (dp, ep) mesh). Here each group of gradients with the same mesh and placements gets
-    its norm from ``get_total_norm`` (DTensor reduces it correctly over its own mesh), and the groups'
-    norms are combined. Plain tensors are taken as replicated, unless ``sharded_group`` is given: then
-    they are disjoint shards over that group (FSDP1's flat parameters, which are plain tensors) and
-    their squared norms are summed over it. Collective: with ``sharded_group``, call it on every rank.
+    ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP's dense mesh and
+    the experts' mesh). Here each rank squares the norm of its local shards, each divided by the
+    number of ranks that hold the same elements (a DTensor's replicated mesh dims, and the ranks
+    outside its mesh: an ep-only expert is the same on every dp replica), and one all-reduce over
+    all ranks sums them. Plain tensors are taken as replicated on every rank, unless
+    ``sharded_group`` is given: then they are disjoint shards over that group (FSDP1's flat
+    parameters). Norms are taken in fp32 whatever the gradient dtype. Collective: call it on every rank.
+    ``foreach`` is accepted for torch's signature and not used.
     """
-    groups = defaultdict(list)
-    if sharded_group is not None:
-        groups[None] = []  # every rank joins the all-reduce below, even one without plain gradients
-    for p in parameters:
-        if p.grad is not None:
-            groups[_mesh_key(p.grad)].append(p.grad)
-    if not groups:
-        return torch.tensor(0.0)
-    norms = []
-    for key, grads in groups.items():
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm.to(torch.float32)
-        else:
-            norm = torch.zeros(())
-        if key is None and sharded_group is not None:
-            squared = norm.square().to(_collective_device(sharded_group))
-            dist.all_reduce(squared, group=sharded_group)
-            norm = squared.sqrt()
-        norms.append(norm)
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]))
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = _collective_device(dist.group.WORLD) if world_size > 1 else (grads[0].device if grads else torch.device("cpu"))
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        if local.numel():
+            norm = torch.linalg.vector_norm(local, dtype=torch.float32).to(device)
+            squared = squared + norm.square() / _copies_in_world(g, world_size, sharded_group)
+    if world_size > 1:
+        dist.all_reduce(squared)
+    total = squared.sqrt()
     if max_norm > 0:
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in groups.values():
-            for g in grads:
-                local = g.to_local() if isinstance(g, DTensor) else g
-                local.mul_(clip_coef.to(local.device, local.dtype))
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(clip_coef.to(local.device, local.dtype))
     return total
 
 
