@@ -68,9 +68,11 @@ def _expert_shard_dim(param: nn.Parameter) -> Shard:
 def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in moe_blocks(model):
+        # Experts that are not split over dp (one shard) keep their compute-dtype copy from the forward
+        # to the backward (and, see set_gradient_sync, across micro-steps): one cast per optimizer step.
         experts = fully_shard(
-            block.experts, mesh=mesh.expert_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=_expert_shard_dim,
+            block.experts, mesh=mesh.expert_fsdp, mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward and mesh.expert_shard_size > 1, shard_placement_fn=_expert_shard_dim,
         )
         experts.set_gradient_divide_factor(float(mesh.world_size))
         if mesh.device_type != "cuda" and mesh.expert_shard_size > 1:
@@ -88,10 +90,14 @@ def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) ->
     Dense gradients are reduced once per optimizer step, on the last micro-step (they wait unsharded
     until then; dense layers are small). Experts sharded over dp are reduced at every micro-step:
     waiting would keep each layer's unsharded fp32 expert gradients alive across micro-steps, the
-    very memory that sharding them saves.
+    very memory that sharding them saves. Experts in one shard instead keep their compute-dtype
+    copy until the last micro-step (the cast once per step that ``reuse_expert_casts`` gave before).
     """
     experts = {id(block.experts) for block in moe_blocks(model)}
+    sharded = mesh.expert_shard_size > 1
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            every_step = id(module) in experts and mesh.expert_shard_size > 1
-            module.set_requires_gradient_sync(last_micro_step or every_step, recurse=False)
+            is_experts = id(module) in experts
+            module.set_requires_gradient_sync(last_micro_step or (is_experts and sharded), recurse=False)
+            if is_experts and not sharded:
+                module.set_reshard_after_backward(last_micro_step, recurse=False)

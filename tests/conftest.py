@@ -125,3 +125,7 @@ def read_jsonl(path: str) -> list[dict]:
 
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: launches 4 ranks or waits on timeouts (still run in CI; -m 'not slow' skips them locally)")

@@ -45,16 +45,32 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
 
 
-@pytest.mark.parametrize("dp_args", [("--ep_size", "2"), ("--ep_size", "1")], ids=["ep2", "dp2"])
-def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, dp_args):
-    """The same global batch on 2 ranks (ep=2, or dp=2 with replicated experts) and on 1 rank."""
-    common = ["--max_steps", "3", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
-    # Activation checkpointing on the 2-rank side: recomputation must route (and all-to-all) exactly as the first pass.
-    train(tiny_model_dir, str(tmp_path / "two"), 2, *common, *dp_args, "--per_device_train_batch_size", "2",
-          "--activation_checkpointing", "true")
-    train(tiny_model_dir, str(tmp_path / "one"), 1, *common, "--per_device_train_batch_size", "4")
-    two = read_jsonl(str(tmp_path / "two" / "metrics.jsonl"))
-    one = read_jsonl(str(tmp_path / "one" / "metrics.jsonl"))
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, tmp_path_factory):
+    """The 1-rank reference of the equivalence runs below (launched once for all of them)."""
+    out = str(tmp_path_factory.mktemp("one") / "run")
+    train(tiny_model_dir, out, 1, *EQUIVALENCE_STEPS, "--per_device_train_batch_size", "4")
+    return read_jsonl(os.path.join(out, "metrics.jsonl"))
+
+
+EQUIVALENCE_STEPS = ["--max_steps", "3", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
+
+
+@pytest.mark.parametrize("nproc,dp_args", [
+    (2, ("--ep_size", "2")),
+    (2, ("--ep_size", "1")),
+    (2, ("--ep_size", "1", "--shard_experts", "false")),
+    pytest.param(4, ("--ep_size", "1", "--dp_replicate", "2"), marks=pytest.mark.slow),
+], ids=["ep2", "dp2-experts-sharded", "dp2-experts-replicated", "hsdp2x2"])
+def test_ranks_equal_one_rank(tiny_model_dir, tmp_path, one_rank, nproc, dp_args):
+    """The same global batch on N ranks (ep=2; dp=2 with experts sharded or replicated over dp; HSDP with
+    2 replicas of 2 shards, experts too) and on 1 rank."""
+    # Activation checkpointing on the N-rank side: recomputation must route (and all-to-all) exactly as the first pass.
+    train(tiny_model_dir, str(tmp_path / "n"), nproc, *EQUIVALENCE_STEPS, *dp_args,
+          "--per_device_train_batch_size", str(4 // nproc), "--activation_checkpointing", "true")
+    two = read_jsonl(str(tmp_path / "n" / "metrics.jsonl"))
+    one = one_rank
+    assert len(two) == len(one) == 3, (len(two), len(one))
     for a, b in zip(two, one):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
