@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from .inputs import InputError, check_ep_size
 from .models import spec_for
@@ -126,22 +126,22 @@ def load_config(config_or_dir):
     """A transformers config from a config object, a config.json dict, or a model directory (reads only config.json)."""
     if not isinstance(config_or_dir, (str, os.PathLike, dict)):
         return config_or_dir
-    fields_ = config_or_dir
-    name = fields_.get("_name_or_path", "") if isinstance(fields_, dict) else ""
-    if not isinstance(fields_, dict):
+    values = config_or_dir
+    name = values.get("_name_or_path", "") if isinstance(values, dict) else ""
+    if not isinstance(values, dict):
         path = os.path.join(config_or_dir, "config.json")
         name = os.path.basename(os.path.normpath(config_or_dir))
         if not os.path.isfile(path):
             raise InputError(f"{path} does not exist; point --model_name_or_path at a Hugging Face model directory")
         try:
             with open(path, encoding="utf-8") as f:
-                fields_ = json.load(f)
+                values = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"{path} is not valid JSON ({e}); re-download or re-save the model") from e
-        if not isinstance(fields_, dict):
-            raise InputError(f"{path} holds a {type(fields_).__name__}, not a JSON object of config fields")
-    fields_ = dict(fields_)
-    model_type = fields_.pop("model_type", None)
+        if not isinstance(values, dict):
+            raise InputError(f"{path} holds a {type(values).__name__}, not a JSON object of config fields")
+    values = dict(values)
+    model_type = values.pop("model_type", None)
     try:
         spec_for(type("Config", (), {"model_type": model_type}))
     except ValueError as e:
@@ -149,7 +149,7 @@ def load_config(config_or_dir):
     from transformers import AutoConfig  # lazily: importing this module stays light
 
     try:
-        config = AutoConfig.for_model(model_type, **fields_)
+        config = AutoConfig.for_model(model_type, **values)
     except (TypeError, ValueError) as e:
         raise InputError(f"config.json of {name or model_type} does not make a {model_type} config: {e}") from e
     config._memory_name = name
