@@ -37,6 +37,12 @@ class MoESpec:
     # sigmoid(gate(x)) with gate = Linear(H, 1) (Qwen2-MoE). Kept as transformers' own modules.
     shared_expert_attr: str | None = None
     shared_gate_attr: str | None = None
+    # Config field holding the width of an always-on dense MLP in every MoE layer: Qwen2-MoE's shared
+    # expert (inside the block, above), GraniteMoeShared's shared_mlp (on the decoder layer; 0 = none).
+    shared_intermediate_attr: str | None = None
+    # RMSNorm on queries and keys: "per_head" (Qwen3: one weight of head_dim, shared by the heads) or
+    # "all_heads" (OLMoE: over the whole q and k projections).
+    qk_norm: str | None = None
     # Hub layout, names relative to model.layers.{l}.<hub_block_name>.
     hub_block_name: str
     hub_router: str = "gate.weight"  # the router weight
@@ -114,12 +120,13 @@ MOE_SPECS = {
         intermediate_attr="moe_intermediate_size",
         shared_expert_attr="shared_expert",
         shared_gate_attr="shared_expert_gate",
+        shared_intermediate_attr="shared_expert_intermediate_size",
     ),
-    "qwen3_moe": MoESpec(model_type="qwen3_moe", **_QWEN_STYLE, intermediate_attr="moe_intermediate_size"),
-    "olmoe": MoESpec(model_type="olmoe", **_QWEN_STYLE),
+    "qwen3_moe": MoESpec(model_type="qwen3_moe", **_QWEN_STYLE, intermediate_attr="moe_intermediate_size", qk_norm="per_head"),
+    "olmoe": MoESpec(model_type="olmoe", **_QWEN_STYLE, qk_norm="all_heads"),
     # GraniteMoeShared's shared MLP sits on the decoder layer (shared_mlp), outside the MoE block: dense.
     "granitemoe": MoESpec(model_type="granitemoe", **_GRANITE),
-    "granitemoeshared": MoESpec(model_type="granitemoeshared", **_GRANITE),
+    "granitemoeshared": MoESpec(model_type="granitemoeshared", **_GRANITE, shared_intermediate_attr="shared_intermediate_size"),
 }
 
 

@@ -1,0 +1,259 @@
+"""The memory fit check: parameter counts against published totals and against transformers' own models,
+per-GPU bytes against hand-computed numbers for a tiny config, and the command line's verdicts."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, ROOT, tiny_moe_config
+
+from megablocks_utils import memory
+from megablocks_utils.inputs import InputError
+from megablocks_utils.memory import GiB, count_params, estimate_memory, fit_error
+from megablocks_utils.models import spec_for
+
+CONFIGS = os.path.join(ROOT, "tests", "configs")
+MIXTRAL_8X7B = os.path.join(CONFIGS, "mixtral-8x7b")
+
+# Published sizes (model cards): total and active parameters, in billions, and the rounding they are given with.
+PUBLISHED = {
+    "mixtral-8x7b": (46.70, 12.9, 0.05),
+    "mixtral-8x22b": (140.6, 39, 0.5),  # "39B active"
+    "qwen3-30b-a3b": (30.5, 3.3, 0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_published_totals(name):
+    counts = count_params(memory.load_config(os.path.join(CONFIGS, name)))
+    total, active, rounding = PUBLISHED[name]
+    assert abs(counts.total / 1e9 - total) / total < 0.005
+    assert abs(counts.active / 1e9 - active) <= rounding + 0.01
+    assert counts.total == counts.dense + counts.expert
+
+
+def _built_counts(config) -> tuple[int, int]:
+    """(total, expert) parameters of the transformers model itself, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = spec_for(config)
+    named = dict(model.named_parameters())  # tied weights appear once
+    expert = sum(p.numel() for n, p in named.items() if spec.is_expert_name(n))
+    return sum(p.numel() for p in named.values()), expert
+
+
+VARIANTS = [(arch, {}) for arch in ARCHITECTURES] + [
+    ("qwen3_moe", dict(attention_bias=True, mlp_only_layers=[0], intermediate_size=40)),
+    ("qwen2_moe", dict(decoder_sparse_step=2, mlp_only_layers=[], qkv_bias=False)),
+    ("olmoe", dict(attention_bias=True, tie_word_embeddings=True)),
+    ("granitemoe", dict(attention_bias=True, num_key_value_heads=4)),
+    ("mixtral", dict(head_dim=8)),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", VARIANTS, ids=[f"{a}-{i}" for i, (a, _) in enumerate(VARIANTS)])
+def test_counts_match_the_transformers_model(arch, overrides):
+    config = tiny_moe_config(arch, **overrides)
+    counts = count_params(config)
+    assert (counts.total, counts.expert) == _built_counts(config)
+
+
+# A tiny Mixtral counted by hand: H=8, I=16, 2 layers, 2 heads of 4 (q 8 wide), 1 kv head (4 wide), vocab 10,
+# 4 experts top-2, untied.
+#   attention 8*8 + 8*4 + 8*4 + 8*8 = 192, two norms 16, router 4*8 = 32: 240 dense per layer
+#   experts 4 * 3*8*16 = 1536 per layer
+#   dense = 2*240 + embed 80 + lm_head 80 + final norm 8 = 648; experts = 2*1536 = 3072
+TINY = dict(
+    model_type="mixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, vocab_size=10, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+)
+
+
+def _tiny(**settings):
+    plan = dict(world_size=2, ep_size=2, optim="adamw_torch", shard_experts=True, max_length=5, per_device_train_batch_size=3)
+    plan.update(settings)
+    return estimate_memory(dict(TINY), **plan)
+
+
+def test_tiny_counts_by_hand():
+    counts = count_params(memory.load_config(dict(TINY)))
+    assert (counts.dense, counts.expert, counts.total) == (648, 3072, 3720)
+    assert counts.active == 648 + 2 * 2 * 384  # two of the four 384-parameter experts in each layer
+
+
+def test_persistent_bytes_by_hand():
+    e = _tiny()  # 2 GPUs, ep 2, sharded: (648 + 3072) / 2 = 1860 parameters per GPU
+    assert (e.params, e.grads, e.optimizer_state) == (4 * 1860, 4 * 1860, 8 * 1860)
+    e = _tiny(world_size=4, shard_experts=False)  # dense / 4 + experts / ep 2 = 162 + 1536
+    assert (e.params, e.grads, e.optimizer_state) == (4 * 1698, 4 * 1698, 8 * 1698)
+    e = _tiny(world_size=4, dp_replicate=2)  # HSDP: sharded over 2, replicated over 2
+    assert e.params == 4 * 1860
+
+
+def test_gathered_weights_and_logits_by_hand():
+    e = _tiny()
+    # bf16 copies: root (embed 80 + lm_head 80 + norm 8) for the whole step, and two layers (computing +
+    # prefetched) of dense weights (240) and this rank's 2 experts (2 * 384)
+    assert e.gathered_weights == 2 * (168 + 2 * (240 + 768))
+    # 3 x 5 tokens x vocab 10: bf16 logits, fp32 log-probs, fp32 and bf16 gradients (2 + 4 + 4 + 2 bytes)
+    assert e.logits == 12 * 15 * 10
+
+
+@pytest.mark.parametrize("ep", [8, 4, 2])
+def test_sharded_state_falls_as_one_over_world_size(ep):
+    def state(world):
+        e = estimate_memory(MIXTRAL_8X7B, world_size=world, ep_size=ep, shard_experts=True, max_length=256, per_device_train_batch_size=1)
+        return e.params + e.grads + e.optimizer_state
+
+    assert state(16) == pytest.approx(state(8) / 2, rel=1e-12)
+    assert state(32) == pytest.approx(state(8) / 4, rel=1e-12)
+    assert state(8) == pytest.approx(16 * 46.70e9 / 8, rel=0.005)  # adamw_torch: 16 bytes per parameter
+
+
+def test_unsharded_experts_stay_per_ep_rank():
+    def state(world):
+        e = estimate_memory(MIXTRAL_8X7B, world_size=world, ep_size=8, shard_experts=False, max_length=256, per_device_train_batch_size=1)
+        return e.params + e.grads + e.optimizer_state
+
+    counts = count_params(memory.load_config(MIXTRAL_8X7B))
+    assert state(16) == pytest.approx(16 * (counts.dense / 16 + counts.expert / 8))
+
+
+def test_optimizers_bytes_per_parameter():
+    def state(optim):
+        e = estimate_memory(MIXTRAL_8X7B, world_size=8, ep_size=8, optim=optim, max_length=256, per_device_train_batch_size=1)
+        return e.params + e.optimizer_state
+
+    assert state("adamw_bf16") == pytest.approx(state("adamw_torch") / 2)
+    assert state("adamw_torch_8bit") == pytest.approx(state("adamw_torch") * (4 + 1 + 1 + 8 / 256) / 12)
+
+
+def test_checkpointing_keeps_less_and_activations_grow_with_tokens():
+    config = memory.load_config(MIXTRAL_8X7B)
+    none, selective, full = (memory.activation_bytes(config, 4096, m) for m in ("none", "selective", "full"))
+    assert full < selective < none
+    assert memory.activation_bytes(config, 8192, "none") == pytest.approx(2 * none)
+    # Without checkpointing a Mixtral layer keeps at least its experts' rows in, gate_up and SwiGLU outputs
+    # (2 copies of each token: 2 * (4096 + 2*14336 + 14336) bf16 elements), for all 32 layers.
+    assert none > 32 * 4096 * 2 * 2 * (4096 + 3 * 14336)
+    # Full checkpointing keeps each layer's input (4096 bf16 per token) and one layer's activations.
+    assert full < 32 * 4096 * 2 * 4096 + none / 32 * 2
+
+
+def test_resolve_shard_experts():
+    assert memory.resolve_shard_experts("auto", 16, 8) is True  # across nodes
+    assert memory.resolve_shard_experts("false", 16, 8) is False
+    assert memory.resolve_shard_experts(True, 8, 8) is True
+    with pytest.raises(InputError, match="shard_experts"):
+        memory.resolve_shard_experts("maybe", 8, 8)
+
+
+def test_bad_plans_name_the_fix():
+    with pytest.raises(InputError, match="choose ep_size in"):
+        _tiny(world_size=4, ep_size=3)
+    with pytest.raises(InputError, match="optim='sgd' is unknown"):
+        _tiny(optim="sgd")
+    with pytest.raises(InputError, match="dp_replicate=3"):
+        _tiny(world_size=4, dp_replicate=3)
+    with pytest.raises(InputError, match="activation_checkpointing"):
+        _tiny(activation_checkpointing="some")
+
+
+def _mixtral_80(**settings):
+    plan = dict(world_size=8, ep_size=8, optim="adamw_torch", shard_experts=False, max_length=4096, per_device_train_batch_size=1)
+    plan.update(settings)
+    return estimate_memory(MIXTRAL_8X7B, **plan)
+
+
+def test_fit_error_suggests_settings_that_do_fit():
+    budget = 80 * GiB
+    e = _mixtral_80()
+    message = fit_error(e, budget)
+    assert message is not None and "80.0 GiB" in message
+    # Re-estimate every suggested flag set independently of the message's own numbers.
+    suggestions = re.findall(r"((?:--\w+ \S+ ?)+) \(([\d.]+) GiB\)", message)
+    assert suggestions
+    for flags, _ in suggestions:
+        changes = dict(zip(*[iter(flags.replace("--", "").split())] * 2))
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if key in changes:
+                changes[key] = int(changes[key])
+        assert _mixtral_80(**changes).total <= budget, flags
+    gpus = re.search(r"(\d+) GPUs \(\d+ nodes of 8\)", message)
+    if gpus:
+        assert _mixtral_80(world_size=int(gpus.group(1))).total <= budget
+    assert fit_error(_mixtral_80(optim="adamw_bf16", activation_checkpointing="full"), budget) is None
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megablocks_utils.memory", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_full_mixtral_adamw_torch_unsharded_does_not_fit_on_8x80():
+    r = _cli("--model_name_or_path", MIXTRAL_8X7B, "--nproc", "8", "--gpu_memory_gib", "80", "--optim", "adamw_torch",
+             "--shard_experts", "false", "--max_length", "4096", "--per_device_train_batch_size", "1")
+    assert r.returncode == 1, r.stderr
+    assert r.stdout.rstrip("\n").splitlines()[-1] == "fits: no"
+    assert "--optim adamw_bf16" in r.stdout
+
+
+def test_cli_bf16_full_checkpointing_fits_on_8x80(capsys):
+    code = memory.main(["--model_name_or_path", MIXTRAL_8X7B, "--nproc", "8", "--gpu_memory_gib", "80", "--optim", "adamw_bf16",
+                        "--activation_checkpointing", "full", "--max_length", "4096", "--per_device_train_batch_size", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.rstrip("\n").splitlines()[-1] == "fits: yes"
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--ep_size", "3"], "ep_size"),
+    (["--optim", "sgd"], "optim"),
+    (["--activation_checkpointing", "sometimes"], "activation_checkpointing"),
+    (["--nproc", "zero"], "nproc"),
+])
+def test_cli_bad_argument_exits_2_with_one_line(args, expect, capsys):
+    base = {"--model_name_or_path": MIXTRAL_8X7B, "--nproc": "8", "--gpu_memory_gib": "80"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    with pytest.raises(SystemExit) as exit_:
+        memory.main([x for pair in base.items() for x in pair])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and expect in err
+
+
+def test_cli_missing_model_dir_exits_2(tmp_path):
+    r = _cli("--model_name_or_path", str(tmp_path / "absent"), "--nproc", "8", "--gpu_memory_gib", "80")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "config.json" in r.stderr
+
+
+def test_cli_defaults_are_train_fsdp2s():
+    with open(os.path.join(ROOT, "train_fsdp2.py")) as f:
+        tree = ast.parse(f.read())
+    script = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Constant)
+    }
+    compared = 0
+    for name, default in memory.DEFAULTS.items():
+        if name in script:
+            value = memory.checkpointing_mode(script[name]) if name == "activation_checkpointing" else script[name]
+            assert default == value, name
+            compared += 1
+    assert compared >= 4
+
+
+def test_import_stays_light():
+    code = "import sys, megablocks_utils.memory; print('transformers' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr
