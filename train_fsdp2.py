@@ -117,6 +117,7 @@ from megablocks_utils.checkpoint import (  # noqa: E402
 )
 from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
+from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype  # noqa: E402
@@ -160,6 +161,18 @@ if resume == "auto" and resume_from is None and not overwrite_output_dir and {"s
 
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
+# The fit check: the per-GPU peak estimated from config.json alone, before any weight is read.
+plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim=optim, shard_experts=experts_sharded,
+                       dp_replicate=dp_replicate, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                       max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
+                       gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing)
+if master:
+    print(plan.describe(), flush=True)
+if use_cuda:
+    gpu_bytes = gpu_memory_gib * 2**30 if gpu_memory_gib > 0 else torch.cuda.get_device_properties(device).total_memory
+    too_big = fit_error(plan, gpu_bytes)
+    if too_big:
+        fail(too_big)
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():

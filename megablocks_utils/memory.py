@@ -26,7 +26,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from .inputs import InputError, check_ep_size
+from .inputs import InputError, check_ep_size, resolve_shard_experts
 from .models import spec_for
 
 GiB = 2**30
@@ -87,29 +87,6 @@ DEFAULTS = dict(
     gradient_accumulation_steps=2,
     activation_checkpointing="none",
 )
-# shard_experts="auto" on a single node: to be decided by measurement (sharding costs an all-gather per
-# layer, not sharding costs memory); until then, shard.
-AUTO_SHARD_EXPERTS_SINGLE_NODE = True
-
-
-def resolve_shard_experts(setting, world_size: int, nproc_per_node: int) -> bool:
-    """``shard_experts`` ("auto", "true", "false" or a bool) -> whether experts are FSDP-sharded over dp.
-
-    "auto": always across nodes (W > nproc_per_node: a node's memory is the limit, and the gathers stay
-    cheap next to the inter-node all-to-all); on one node, AUTO_SHARD_EXPERTS_SINGLE_NODE.
-    """
-    if isinstance(setting, bool):
-        return setting
-    text = str(setting).lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    if text == "auto":
-        return True if world_size > nproc_per_node else AUTO_SHARD_EXPERTS_SINGLE_NODE
-    raise InputError(f"shard_experts={setting!r} is unknown; choose auto, true or false")
-
-
 def checkpointing_mode(setting) -> str:
     """``activation_checkpointing`` as the scripts give it (a bool, or none/selective/full) -> a mode name."""
     if isinstance(setting, bool):
@@ -437,13 +414,17 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     lm_head = counts.vocab * counts.hidden  # its gradient: from the first step of the backward to the root's reduce-scatter
-    gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * (counts.dense_layer + local_experts_layer))
+    # Experts in one shard (not split over dp) keep their compute-dtype copy for the whole step
+    # (parallelize.set_gradient_sync: one cast per step); split ones are gathered a layer at a time.
+    one_shard = (dp // r if shard else 1) == 1
+    kept_experts = counts.expert / ep if one_shard else GATHERED_LAYERS * local_experts_layer
+    gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer + kept_experts)
     gathered_grads = UNSHARDED_GRAD_BYTES * (counts.dense_layer + local_experts_layer) + COMPUTE_BYTES * lm_head
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:
-        # FSDP-managed parameters keep unsharded fp32 gradients between micro-steps; experts outside FSDP
-        # (shard_experts false) accumulate into their own gradient, alive from the first micro-step on.
-        accumulated = ACCUMULATED_GRAD_BYTES * counts.dense + (ACCUMULATED_GRAD_BYTES if shard else grad_b) * counts.expert / ep
+        # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts in one shard.
+        # Experts split over dp are reduce-scattered at every micro-step (parallelize.set_gradient_sync).
+        accumulated = ACCUMULATED_GRAD_BYTES * (counts.dense + (counts.expert / ep if one_shard else 0))
 
     tokens = plan.per_device_train_batch_size * plan.max_length
     activations = activation_bytes(config, tokens, mode)
