@@ -1,0 +1,124 @@
+"""Activation checkpointing: "full" and "selective" give the loss and every gradient of no
+checkpointing on an expert-parallel model; "selective" recomputes no GEMM and no all-to-all."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_ranks, tiny_mixtral_config
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+from megablocks_utils import causal_lm_loss_sum, count_label_tokens, moe_blocks, router_stats, shard_moe
+from megablocks_utils.checkpointing import (
+    ACTIVATION_CHECKPOINTING,
+    OpCounter,
+    _contexts,
+    _policy,
+    apply_activation_checkpointing,
+    parse_activation_checkpointing,
+)
+
+aten = torch.ops.aten
+MATMULS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
+TOL = 1e-6
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def train_step(reference, mode, rank):
+    """One forward and backward of a fresh ep=2 copy; the backward runs under an op counter."""
+    model = copy.deepcopy(reference)
+    mesh = shard_moe(model, 2, device="cpu")
+    apply_activation_checkpointing(model, mode)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 10), generator=g)
+    mask = torch.ones_like(input_ids)
+    mask[1, 7:] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    out = model(input_ids, attention_mask=mask)
+    stats = router_stats(model, mask, mesh.world.get_group())
+    loss = causal_lm_loss_sum(out.logits, labels) / count_label_tokens(labels) + 0.02 * stats.local
+    for block in moe_blocks(model):
+        block.record_router = True  # as if the caller never turned recording off: a recompute must not record
+    with OpCounter() as backward_ops:
+        loss.backward()
+    recorded = sum(block.router_probs is not None for block in moe_blocks(model))
+    grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, backward_ops, recorded
+
+
+def check_modes(rank, world):
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_mixtral_config(num_hidden_layers=2)
+    reference = AutoModelForCausalLM.from_config(config).float()
+    runs = {mode: train_step(reference, mode, rank) for mode in ACTIVATION_CHECKPOINTING}
+    loss, grads, none_ops, _ = runs["none"]
+    for mode in ("full", "selective"):
+        mode_loss, mode_grads, _, recorded = runs[mode]
+        assert rel_err(mode_loss, loss) <= TOL, (mode, mode_loss, loss)
+        assert mode_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert rel_err(mode_grads[name], grad) <= TOL, (mode, name, rel_err(mode_grads[name], grad))
+        assert recorded == 0, f"{mode}: the recompute recorded router outputs in {recorded} layers"
+
+    layers = config.num_hidden_layers
+    # A decoder layer's forward GEMMs: q, k, v, o, the router, and per local expert gate_up and down.
+    layer_gemms = 4 + 1 + 2 * (config.num_local_experts // 2)
+    a2a = torch.ops._c10d_functional.all_to_all_single
+    full_ops, selective_ops = runs["full"][2], runs["selective"][2]
+    assert full_ops.total(*MATMULS) == none_ops.total(*MATMULS) + layers * layer_gemms, (full_ops.counts, none_ops.counts)
+    assert selective_ops.total(*MATMULS) == none_ops.total(*MATMULS), "selective recomputed GEMMs"
+    # Three all-to-alls per layer forward (counts, tokens out, tokens back): full repeats them, selective does not.
+    assert full_ops.total(a2a) == none_ops.total(a2a) + 3 * layers
+    assert selective_ops.total(a2a) == none_ops.total(a2a), "selective communicated in the recompute"
+    assert selective_ops.total(aten.silu) == full_ops.total(aten.silu) > none_ops.total(aten.silu), "element-wise ops are recomputed"
+
+
+def test_full_and_selective_match_no_checkpointing_on_ep2():
+    """2 gloo ranks, ep=2, fp32: loss and every gradient equal; selective replays GEMMs and all-to-alls
+    from the forward, full recomputes each layer's GEMMs and all-to-alls once; no router recording."""
+    run_ranks(check_modes, 2)
+
+
+def test_selective_keeps_exact_overloads_so_compiled_gemms_stay_correct():
+    """Compiled code calls its GEMMs as aten.mm.out into its own buffers: the policy must recompute
+    those (a kept out= result would not land in the recompute's buffer) and keep mm.default."""
+    assert _policy(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert _policy(None, aten.mm.out) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert _policy(None, aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+
+    def part(x):
+        return F.linear(torch.relu(F.linear(x, w1)), w2)
+
+    compiled = torch.compile(part)
+
+    def layer(x, f):
+        return torch.sin(f(torch.cos(x)) @ w2)
+
+    x = torch.randn(8, 16, requires_grad=True)
+    expected = torch.autograd.grad(layer(x, part).square().sum(), (x, w1, w2))
+    context_fn = functools.partial(_contexts, [], True)
+    out = checkpoint(layer, x, compiled, use_reentrant=False, context_fn=context_fn)
+    grads = torch.autograd.grad(out.square().sum(), (x, w1, w2))
+    for g, e in zip(grads, expected):
+        assert rel_err(g, e) <= 1e-5
+
+
+@pytest.mark.parametrize("value,mode", [("true", "full"), ("False", "none"), (True, "full"), ("selective", "selective"), ("none", "none")])
+def test_parse_accepts_modes_and_old_booleans(value, mode):
+    assert parse_activation_checkpointing(value) == mode
+
+
+def test_parse_names_the_choices():
+    with pytest.raises(ValueError, match="choose none, full .* or selective"):
+        parse_activation_checkpointing("partial")
