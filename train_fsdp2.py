@@ -66,7 +66,7 @@ from megablocks_utils.inputs import (  # noqa: E402
     stop_together,
 )
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.checkpointing import ACTIVATION_CHECKPOINTING  # noqa: E402
+from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402
 from megablocks_utils.optim import OPTIMIZERS  # noqa: E402
 from megablocks_utils.settings import apply_overrides  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
@@ -86,9 +86,10 @@ try:
         raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
     if lr_scheduler_type not in SCHEDULERS:
         raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
-    activation_checkpointing = {"true": "full", "false": "none"}.get(str(activation_checkpointing).lower(), activation_checkpointing)
-    if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise InputError(f"activation_checkpointing={activation_checkpointing!r} is unknown; choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    try:
+        activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     if optim not in OPTIMIZERS:
         raise InputError(f"optim={optim!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
     read_alpaca(data_path)
