@@ -322,7 +322,7 @@ for step in range(start_step, total_steps):
         "loss": ce_loss + aux_coef * aux_loss,
         "ce_loss": ce_loss,
         "aux_loss": aux_loss,
-        "lr": scheduler.get_last_lr()[0],
+        "lr": float(scheduler.get_last_lr()[0]),
         "grad_norm": float(grad_norm),
         "skipped": skipped,
         "tokens": int(real_tokens),

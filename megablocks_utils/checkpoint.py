@@ -44,6 +44,23 @@ def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
+def _tensor_to_json(value):
+    """torchao's optimizers keep the learning rate as a 0-d tensor, so the scheduler's state holds tensors."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"__tensor__": value.item()}
+    raise TypeError(f"cannot write {type(value).__name__} to {STATE_NAME}")
+
+
+def _tensors_from_json(value):
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return torch.tensor(value["__tensor__"])
+        return {k: _tensors_from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensors_from_json(v) for v in value]
+    return value
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -77,7 +94,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
     if rank == 0:
         state = dict(trainer_state, step=step, world_size=dist.get_world_size(), scheduler=scheduler.state_dict())
         with open(os.path.join(tmp, STATE_NAME), "w") as f:
-            json.dump(state, f, indent=1)
+            json.dump(state, f, indent=1, default=_tensor_to_json)
         if source_dir is not None:
             copy_model_files(source_dir, tmp)
     dist.barrier()
@@ -128,7 +145,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
             "resume from an earlier checkpoint or delete this one"
         ) from e
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
-    scheduler.load_state_dict(state["scheduler"])
+    scheduler.load_state_dict(_tensors_from_json(state["scheduler"]))
     rng_path = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     if state["world_size"] == dist.get_world_size() and os.path.isfile(rng_path):
         rng = torch.load(rng_path, weights_only=True)
