@@ -37,7 +37,7 @@ max_steps = 40  # optimizer steps; -1 = num_train_epochs over the data
 num_train_epochs = 1  # used when max_steps = -1
 seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
-activation_checkpointing = False  # recompute decoder layers in backward (non-reentrant); on for big models
+activation_checkpointing = "none"  # per decoder layer: "none", "full" (recompute all) or "selective" (keep GEMM/attention/all-to-all outputs); true = full
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 save_steps = 0  # write a sharded checkpoint (DCP) every N steps to output_dir/checkpoints; 0 = off
@@ -51,7 +51,8 @@ peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, M
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
-from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_alpaca  # noqa: E402
 from megablocks_utils.inputs import InputError, check_ep_size, check_output_dir, fail, stop_together  # noqa: E402
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
 from megablocks_utils.settings import apply_overrides  # noqa: E402
@@ -70,6 +71,10 @@ try:
     globals().update(settings)
     if dtype not in ("auto", "bf16", "fp32"):
         raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
+    try:
+        settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     if lr_scheduler_type not in SCHEDULERS:
         raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
     read_alpaca(data_path)
@@ -96,6 +101,7 @@ from megablocks_utils import (  # noqa: E402
     router_stats,
     sync_expert_grads,
 )
+from megablocks_utils.checkpointing import apply_activation_checkpointing  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
     complete_checkpoints,
@@ -163,17 +169,17 @@ if master:
     )
 
 # ----------------------------------------------------------------------------- parallelize
-# Order matters: activation checkpointing first (it wraps each layer's forward), then FSDP2 per
-# decoder layer and at the root. Expert weights are already sharded by EP: FSDP must not touch them.
+# Order matters: EP (done by load_model), activation checkpointing (it wraps each layer's forward),
+# compile, then FSDP2 per decoder layer and at the root. Expert weights are already sharded by EP:
+# FSDP must not touch them.
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 experts = set(expert_parameters(model))
+apply_activation_checkpointing(model, activation_checkpointing)
 if compile_dense and device.type == "cuda":
     compiled = compile_dense_parts(model)
     if master:
         print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
-if activation_checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh.world, mp_policy=mp_policy, ignored_params=experts)

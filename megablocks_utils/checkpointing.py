@@ -55,8 +55,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .moe_layer import ExpertParallelMoE
-
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 # (namespace, op): outputs that "selective" keeps. Exact .default overloads (see the module docstring
@@ -95,7 +93,7 @@ def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 
 @contextlib.contextmanager
-def _recompute(blocks: list[ExpertParallelMoE], mode):
+def _recompute(blocks: list[nn.Module], mode):
     """The recompute of a layer: under SAC's replay mode (selective) and with router recording paused."""
     recording = [b.record_router for b in blocks]
     for b in blocks:
@@ -108,7 +106,7 @@ def _recompute(blocks: list[ExpertParallelMoE], mode):
             b.record_router = r
 
 
-def _contexts(blocks: list[ExpertParallelMoE], selective: bool):
+def _contexts(blocks: list[nn.Module], selective: bool):
     """``context_fn`` of torch.utils.checkpoint: (forward context, recompute context), fresh per call."""
     if not selective:
         return contextlib.nullcontext(), _recompute(blocks, contextlib.nullcontext())
@@ -145,6 +143,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         if model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
         return
+    from .moe_layer import ExpertParallelMoE  # here: the scripts parse the setting before transformers loads
+
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     context_fn = functools.partial(_contexts, blocks, mode == "selective")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
