@@ -87,7 +87,7 @@ try:
     if lr_scheduler_type not in SCHEDULERS:
         raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
     try:
-        activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
+        settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
     except ValueError as e:
         raise InputError(str(e)) from None
     if optim not in OPTIMIZERS:

@@ -55,7 +55,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 # (namespace, op): outputs that "selective" keeps. Exact .default overloads (see the module docstring
@@ -94,7 +93,7 @@ def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 
 @contextlib.contextmanager
-def _recompute(blocks: list, mode):
+def _recompute(blocks: list[nn.Module], mode):
     """The recompute of a layer: under SAC's replay mode (selective) and with router recording paused."""
     recording = [b.record_router for b in blocks]
     for b in blocks:
@@ -107,7 +106,7 @@ def _recompute(blocks: list, mode):
             b.record_router = r
 
 
-def _contexts(blocks: list, selective: bool):
+def _contexts(blocks: list[nn.Module], selective: bool):
     """``context_fn`` of torch.utils.checkpoint: (forward context, recompute context), fresh per call."""
     if not selective:
         return contextlib.nullcontext(), _recompute(blocks, contextlib.nullcontext())
@@ -144,7 +143,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         if model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
         return
-    from .moe_layer import ExpertParallelMoE  # here, so the scripts can parse the setting before transformers loads
+    from .moe_layer import ExpertParallelMoE  # here: the scripts parse the setting before transformers loads
 
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     context_fn = functools.partial(_contexts, blocks, mode == "selective")
