@@ -263,7 +263,9 @@ def run(args) -> None:
     if len(measured) < args.steps:
         text = "\n".join(lines)
         oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
-        last_error = next((line for line in reversed(lines) if "Error" in line or line.startswith("error")), f"exit {returncode}")
+        # The scripts' own message ("error: ...") first, else the last exception (not the launcher's ChildFailedError).
+        last_error = next((line for line in lines if line.startswith("error")), None) or next(
+            (line for line in reversed(lines) if "Error" in line and "ChildFailedError" not in line), f"exit {returncode}")
         record.update(status="OOM" if oom else "error", error=last_error.strip()[:300], steps_done=len(steps))
         print("\n".join(lines[-40:]), flush=True)
     else:  # every step measured (the launch may still have failed or timed out later, in the final export)

@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--optimizer", choices=["fused", "foreach"], default="fused", help="torch AdamW kernel (fused on GPU only)")
+    p.add_argument("--gpu_memory_gib", type=float, default=0.0,
+                   help="cap each GPU's memory at this many GiB (to emulate a smaller GPU, as train_fsdp2's setting); 0 = all")
     p.add_argument("--out", default="bench/results.jsonl")
     args = p.parse_args()
 
@@ -101,6 +103,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if args.gpu_memory_gib > 0:  # the caching allocator refuses to grow past this share of the GPU
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / torch.cuda.get_device_properties().total_memory))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     # Ours to start (bound to the GPU, as transformers' own start does), so the GEMM probe runs before loading.
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
@@ -115,7 +119,7 @@ def main() -> None:
         "precision": args.precision, "max_grad_norm": args.max_grad_norm,
         "ep_size": ep, "fsdp_size": distributed_config.fsdp_size, "efsdp_size": distributed_config.efsdp_size,
         "ep_implementation": args.ep_implementation, "date": date.today().isoformat(), "torch": torch.__version__,
-        "transformers": transformers_version, "dense_gemm_tflops": gemm,
+        "transformers": transformers_version, "dense_gemm_tflops": gemm, "gpu_memory_gib": args.gpu_memory_gib or None,
     }
     try:
         start = time.perf_counter()
