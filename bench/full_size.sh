@@ -89,6 +89,7 @@ ours() {  # ours NAME LAYERS DIR LIMIT TRAIN_ARGS
   grep -E '^  |Error|error' "$out/$name.log" | tail -n 12 | cut -c1-400
   { echo "---- launch.log"; cat "$work/launch.log"; } >>"$out/$name.log" 2>/dev/null
   rm -rf "$work"  # the run's output (a partial export too)
+  sleep 3  # the killed ranks release their GPUs
 }
 
 for v in $variants; do
