@@ -2,6 +2,7 @@
 
     python bench/bench_fsdp1.py write --dir /tmp/mixtral-L8 --layers 8       # checkpoint + tokenizer (23 GB at L = 8)
     python bench/bench_fsdp1.py run --dir /tmp/mixtral-L8 --gpus 4 --out bench/results/h200x4_L8.jsonl
+    python bench/bench_fsdp1.py view --dir /tmp/mixtral-L4 --source /tmp/mixtral-L8 --layers 4  # first 4 layers, linked
 
 The "Trainer path" is train_fsdp1.py itself, launched as a user launches it (`accelerate launch
 --config_file accelerate.yaml train_fsdp1.py --accelerator_config accelerator_config.json ...`), so it
@@ -18,7 +19,10 @@ with fp32 master weights and fp32 reduction, fused AdamW, global-norm clipping; 
 metrics.jsonl (per-step ``step_time_s``, ``tokens``) and summary.json (peak memory, the largest over
 ranks) and appends one record with bench_moe.py's fields and ``config: fsdp1_ep`` to ``--out``.
 ``--script train_fsdp2.py`` runs train_fsdp2.py on the same checkpoint and data (``config: fsdp2_ep_script``),
-a cross-check of (d) against the plain loop on identical input.
+a cross-check of (d) against the plain loop on identical input. ``--train_args`` appends settings to the launched
+script's command line (later ones win), ``--name`` names the record's ``config``, and ``--skip_export`` stops the
+launch once metrics.jsonl holds every step, before the final export (93 GB of writing at 32 layers; the peak
+memory is then rank 0's, from metrics.jsonl). bench/full_size.sh runs it so.
 
 Step time: train_fsdp1 times each optimizer step from Trainer's ``on_step_begin`` (after the step's
 micro-batches are fetched, the GPU idle) to ``on_step_end``, once the step's loss all-reduce has been read
@@ -31,6 +35,7 @@ GPU 0 in a separate process right before the launch (so it holds no memory durin
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -75,6 +80,33 @@ def checkpoint_complete(directory: str, layers: int, hidden: int, intermediate: 
         return False
     same = (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]) == (layers, hidden, intermediate)
     return same and os.path.isfile(os.path.join(directory, "tokenizer_config.json"))
+
+
+def write_layer_view(directory: str, source: str, layers: int) -> None:
+    """A checkpoint of ``source``'s first ``layers`` decoder layers, in seconds and no space: its config with
+    ``num_hidden_layers = layers``, its tokenizer, an index of the kept weights, and symbolic links to the
+    safetensors files that hold them (write's layout: one file per layer, so no file holds a dropped layer)."""
+    with open(os.path.join(source, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    layer_of = lambda name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1  # noqa: E731
+    kept = {k: v for k, v in index["weight_map"].items() if layer_of(k) < layers}
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    for name in sorted(set(kept.values())):
+        os.symlink(os.path.abspath(os.path.join(source, name)), os.path.join(directory, name))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": kept}, f, indent=1)
+    for name in os.listdir(source):
+        if name.endswith(".json") and name not in ("config.json", "model.safetensors.index.json") or name.endswith((".model", ".txt")):
+            shutil.copy(os.path.join(source, name), directory)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:layers]
+    with open(os.path.join(directory, "config.json"), "w") as f:  # last: what checkpoint_complete reads
+        json.dump(config, f, indent=1)
+    print(f"{directory}: the first {layers} layers of {source} ({len(set(kept.values()))} files linked)", flush=True)
 
 
 def synthetic_alpaca(tokenizer, seq: int, count: int, source_path: str) -> list[dict]:
@@ -135,14 +167,40 @@ def launch_command(args, cuda: bool, data: str, out_dir: str) -> list[str]:
     ]
     if args.script == "train_fsdp2.py":  # fused AdamW on GPU is built in; dtype auto = bf16 on GPU, fp32 on CPU
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus),
-                "train_fsdp2.py", *common]
+                "train_fsdp2.py", *common, *shlex.split(args.train_args)]
     optim = args.optim or "adamw_torch_fused"
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.gpus),
         "--main_process_port", str(free_port()), "--config_file", "accelerate.yaml", "train_fsdp1.py",
         "--accelerator_config", "accelerator_config.json", *common, "--optim", optim,
-        *(["--bf16", "true"] if cuda else []),
+        *(["--bf16", "true"] if cuda else []), *shlex.split(args.train_args),
     ]
+
+
+def steps_logged(metrics_path: str) -> int:
+    try:
+        with open(metrics_path) as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def wait_for_launch(proc, args, metrics_path: str):
+    """The launch's exit status, or why it was stopped: after ``--timeout`` seconds, or (``--skip_export``) once
+    metrics.jsonl holds every step. Stopping kills the launcher's session: it and every rank it started."""
+    deadline = time.perf_counter() + args.timeout
+    while proc.poll() is None:
+        stop = None
+        if time.perf_counter() > deadline:
+            stop = f"timeout after {args.timeout:.0f} s"
+        elif args.skip_export and steps_logged(metrics_path) >= args.warmup + args.steps:
+            stop = "stopped after the last step (--skip_export)"
+        if stop:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return stop
+        time.sleep(1)
+    return proc.returncode
 
 
 def run(args) -> None:
@@ -177,12 +235,7 @@ def run(args) -> None:
     with open(log_path, "w") as log:
         # Its own session, so a timeout stops the launcher and every rank it started, nothing else.
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = f"timeout after {args.timeout:.0f} s"
+        returncode = wait_for_launch(proc, args, os.path.join(out_dir, "metrics.jsonl"))
     launch_s = time.perf_counter() - start
     with open(log_path) as f:
         lines = f.read().splitlines()
@@ -193,10 +246,12 @@ def run(args) -> None:
     config = AutoConfig.from_pretrained(args.dir)
     # train_fsdp2.py uses fused AdamW on GPU only; train_fsdp1.py whatever --optim names.
     fused_adamw = found["cuda"] if args.script == "train_fsdp2.py" else (args.optim or "adamw_torch_fused") == "adamw_torch_fused"
+    train_args = shlex.split(args.train_args)
+    ac = train_args[train_args.index("--activation_checkpointing") + 1] if "--activation_checkpointing" in train_args else args.ac
     record = {
-        "config": CONFIG_NAMES[args.script], "gpus": args.gpus, "device": found["device"], "layers": args.layers,
+        "config": args.name or CONFIG_NAMES[args.script], "gpus": args.gpus, "device": found["device"], "layers": args.layers,
         "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
-        "activation_checkpointing": args.ac, "fused_adamw": fused_adamw,
+        "activation_checkpointing": ac, "fused_adamw": fused_adamw, "train_args": args.train_args,
         "date": date.today().isoformat(), "torch": found["torch"], "transformers": version("transformers"),
         "accelerate": version("accelerate"), "dense_gemm_tflops": found["dense_gemm_tflops"],
         "script": args.script, "ep_size": args.ep_size or args.gpus, "launch_wall_s": launch_s,
@@ -208,7 +263,9 @@ def run(args) -> None:
     if len(measured) < args.steps:
         text = "\n".join(lines)
         oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
-        last_error = next((line for line in reversed(lines) if "Error" in line or line.startswith("error")), f"exit {returncode}")
+        # The scripts' own message ("error: ...") first, else the last exception (not the launcher's ChildFailedError).
+        last_error = next((line for line in lines if line.startswith("error")), None) or next(
+            (line for line in reversed(lines) if "Error" in line and "ChildFailedError" not in line), f"exit {returncode}")
         record.update(status="OOM" if oom else "error", error=last_error.strip()[:300], steps_done=len(steps))
         print("\n".join(lines[-40:]), flush=True)
     else:  # every step measured (the launch may still have failed or timed out later, in the final export)
@@ -247,8 +304,9 @@ def run(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["write", "run", "probe"])
-    p.add_argument("--dir", help="the checkpoint directory (made by write; run writes it if missing)")
+    p.add_argument("mode", choices=["write", "view", "run", "probe"])
+    p.add_argument("--dir", help="the checkpoint directory (made by write or view; run writes it if missing)")
+    p.add_argument("--source", help="(view) the checkpoint whose first --layers layers --dir shows")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
@@ -262,6 +320,9 @@ def main() -> None:
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--optim", default="", help="Trainer's --optim (default adamw_torch_fused, as bench_moe --fused_adamw)")
     p.add_argument("--script", choices=sorted(CONFIG_NAMES), default="train_fsdp1.py")
+    p.add_argument("--train_args", default="", help="more settings for the launched script, one string (appended last: they win)")
+    p.add_argument("--name", default="", help="the record's config (default: fsdp1_ep or fsdp2_ep_script)")
+    p.add_argument("--skip_export", action="store_true", help="stop the launch once every step is logged, before its final export")
     p.add_argument("--work", default="", help="data file, launch log and the run's output dir (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run's final/ model export")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the launch is stopped")
@@ -273,6 +334,10 @@ def main() -> None:
         p.error("--dir is required")
     elif args.mode == "write":
         write_checkpoint(args.dir, args.layers, args.hidden, args.intermediate)
+    elif args.mode == "view":
+        if not args.source:
+            p.error("view needs --source, the checkpoint to take the first --layers layers of")
+        write_layer_view(args.dir, args.source, args.layers)
     else:
         run(args)
 

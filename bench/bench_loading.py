@@ -52,7 +52,16 @@ def write(directory: str, layers: int, hidden: int, intermediate: int, **config_
     os.makedirs(directory, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
-    files = [{"model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]
+    weight_map, total, n_files = {}, 0, 1 + layers
+
+    def save(n: int, tensors: dict) -> None:  # each file as soon as it is made: host memory holds one layer, not the model
+        nonlocal total
+        name = f"model-{n + 1:05d}-of-{n_files:05d}.safetensors"
+        save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    save(0, {"model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
     for layer in range(layers):
         p = f"model.layers.{layer}"
         tensors = {
@@ -66,13 +75,7 @@ def write(directory: str, layers: int, hidden: int, intermediate: int, **config_
         for x in range(e):
             gate, up, down = expert_hub_names(spec, layer, x)
             tensors.update({gate: expert.clone(), up: expert.clone(), down: expert.t().contiguous()})
-        files.append(tensors)
-    weight_map, total = {}, 0
-    for n, tensors in enumerate(files):
-        name = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save(1 + layer, tensors)
     write_index(directory, weight_map, total)
     config.save_pretrained(directory)
     print(f"wrote {total / 1e9:.1f} GB to {directory}")

@@ -1,0 +1,203 @@
+"""The peer: transformers' own FSDP2 + expert parallelism (transformers >= 5.23), trained by a plain loop.
+
+    torchrun --nproc_per_node=4 bench/bench_peer_hf.py --dir /tmp/mixtral-L32 --ac --out results.jsonl
+
+transformers shards the model while loading it:
+``from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=N, ep_size=E, ep_implementation="all_to_all"))``
+builds two meshes over the same ranks, dense (pp, dp_replicate, fsdp, tp) and expert (pp, dp_replicate, efsdp, ep),
+with efsdp = fsdp * tp / ep. The model's ``base_model_ep_plan`` splits the stacked expert weights over ``ep`` (tokens
+reach their experts by all-to-all); FSDP2 then shards the experts over ``efsdp`` (1 on one node with ep = N: each
+expert whole on one rank), and every decoder layer and the root over ``fsdp`` (lm_head is kept gathered).
+
+The loop is the one a user of that API writes: random token ids (every token a label, the model's own shifted mean
+cross-entropy), ``set_requires_gradient_sync`` on the last micro-step only (as Trainer's
+``_defer_fsdp_gradient_reduction``), the global gradient norm clipped mesh by mesh (as Trainer's
+``_mixed_mesh_grad_norm``: ``clip_grad_norm_`` cannot span two meshes), and torch's AdamW in the parameters' dtype,
+one parameter group per mesh (fused kernels cannot mix meshes either). ``--precision bf16`` loads bf16 weights (bf16
+AdamW state, bf16 gradient reduction, no stochastic rounding); ``fp32_master`` loads fp32 weights and sets
+``fsdp_mixed_precision`` (bf16 compute, fp32 reduction).
+
+Step time: ``torch.cuda.synchronize`` before the step's first forward and after ``optimizer.step``; the median
+over the steps after ``--warmup``. TFLOPS and MFU use bench_moe.py's Megatron formula and peak (989), as
+bench_fsdp1.py does for train_fsdp2.py's runs; the record also has the training scripts' own formula
+(megablocks_utils.metrics). Peak memory is the largest over ranks. Rank 0 appends one JSON record with
+``config: hf_native_fsdp2_ep`` to ``--out``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+
+
+def clip_grad_norm_by_mesh(params, max_norm: float) -> torch.Tensor:
+    """The global gradient norm over gradients on several meshes (dense on ``fsdp``, experts on ``(efsdp, ep)``),
+    clipped to ``max_norm``: one norm per mesh, each reduced over its own mesh, then combined (Trainer's
+    ``_mixed_mesh_grad_norm`` in transformers 5.23)."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    by_mesh = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    for group in by_mesh.values():
+        clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def param_groups_by_mesh(model) -> list[dict]:
+    from torch.distributed.tensor import DTensor
+
+    groups = defaultdict(list)
+    for p in model.parameters():
+        if p.requires_grad:
+            groups[p.device_mesh if isinstance(p, DTensor) else None].append(p)
+    return [{"params": g} for g in groups.values()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", required=True, help="a hub-layout checkpoint (bench_fsdp1.py write or bench_loading.py write)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro_batch", type=int, default=1)
+    p.add_argument("--grad_accum", type=int, default=4, help="micro-steps per optimizer step")
+    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
+    p.add_argument("--ep_size", type=int, default=0, help="0 = all ranks")
+    p.add_argument("--precision", choices=["bf16", "fp32_master"], default="bf16",
+                   help="bf16: bf16 weights, gradients and AdamW state; fp32_master: fp32 weights and state, bf16 compute")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer (activation_checkpointing_enable)")
+    p.add_argument("--experts_implementation", default="", help="transformers' experts kernel; empty = its default (grouped_mm)")
+    p.add_argument("--ep_implementation", default="all_to_all")
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--optimizer", choices=["fused", "foreach"], default="fused", help="torch AdamW kernel (fused on GPU only)")
+    p.add_argument("--gpu_memory_gib", type=float, default=0.0,
+                   help="cap each GPU's memory at this many GiB (to emulate a smaller GPU, as train_fsdp2's setting); 0 = all")
+    p.add_argument("--out", default="bench/results.jsonl")
+    args = p.parse_args()
+
+    from transformers import AutoModelForCausalLM, DistributedConfig
+    from transformers import __version__ as transformers_version
+
+    from bench_moe import PEAK_TFLOPS, dense_gemm_tflops, megatron_flops_per_token
+    from megablocks_utils.metrics import active_params, flops_per_token
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if args.gpu_memory_gib > 0:  # the caching allocator refuses to grow past this share of the GPU
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / torch.cuda.get_device_properties().total_memory))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # Ours to start (bound to the GPU, as transformers' own start does), so the GEMM probe runs before loading.
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep = args.ep_size or world
+    gemm = dense_gemm_tflops(device)
+    distributed_config = DistributedConfig(fsdp_size=world, ep_size=ep, ep_implementation=args.ep_implementation,
+                                           fsdp_mixed_precision=args.precision == "fp32_master")
+    record = {
+        "config": "hf_native_fsdp2_ep", "gpus": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "activation_checkpointing": args.ac,
+        "precision": args.precision, "max_grad_norm": args.max_grad_norm,
+        "ep_size": ep, "fsdp_size": distributed_config.fsdp_size, "efsdp_size": distributed_config.efsdp_size,
+        "ep_implementation": args.ep_implementation, "date": date.today().isoformat(), "torch": torch.__version__,
+        "transformers": transformers_version, "dense_gemm_tflops": gemm, "gpu_memory_gib": args.gpu_memory_gib or None,
+    }
+    try:
+        start = time.perf_counter()
+        extra = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            args.dir, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32,
+            distributed_config=distributed_config, **extra,
+        )
+        dist.barrier()
+        config = model.config
+        record.update(load_s=time.perf_counter() - start, layers=config.num_hidden_layers, hidden=config.hidden_size,
+                      experts_implementation=config._experts_implementation,
+                      attn_implementation=config._attn_implementation,
+                      output_router_logits=bool(getattr(config, "output_router_logits", False)))
+        if args.ac:
+            model.activation_checkpointing_enable()
+        model.train()
+        expert_params = [q for n, q in model.named_parameters() if ".experts." in n]
+        n_active = active_params(model, config, expert_params)
+        groups = param_groups_by_mesh(model)
+        kernel = "fused" if args.optimizer == "fused" and cuda else "foreach"
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, **{kernel: True})
+        record.update(optimizer=f"torch AdamW ({kernel}), {len(groups)} parameter groups", param_meshes=[
+            str(getattr(g["params"][0], "device_mesh", None)) for g in groups])
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        generator = torch.Generator(device=device).manual_seed(1 + rank)
+        times, losses, norms = [], [], []
+        for step in range(args.warmup + args.steps):
+            batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device=device, generator=generator)
+                       for _ in range(args.grad_accum)]
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for i, ids in enumerate(batches):
+                # Gradients are reduced on the last micro-step only (Trainer's _defer_fsdp_gradient_reduction).
+                model.set_requires_gradient_sync(i == len(batches) - 1)
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss / len(batches)
+                loss.backward()
+                step_loss += loss.detach()
+            norm = clip_grad_norm_by_mesh(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            dist.all_reduce(step_loss)
+            losses.append(float(step_loss) / world)
+            norms.append(float(norm))
+            if step >= args.warmup:
+                times.append(elapsed)
+            if rank == 0:
+                print(f"step {step + 1}: {elapsed:.3f} s, loss {losses[-1]:.4f}, grad norm {norms[-1]:.3f}", flush=True)
+        step_time = statistics.median(times)
+        tokens_per_gpu = args.grad_accum * args.micro_batch * args.seq / step_time
+        tflops = megatron_flops_per_token(config, args.seq) * tokens_per_gpu / 1e12
+        record.update(
+            status="ok", step_time_s=step_time, tokens_per_s_per_gpu=tokens_per_gpu, tflops_per_gpu=tflops,
+            mfu=tflops / PEAK_TFLOPS, mfu_vs_dense_gemm=tflops / gemm if gemm else None, steps_measured=len(times),
+            step_times_s=times, tflops_per_gpu_script_formula=flops_per_token(n_active, config, args.seq) * tokens_per_gpu / 1e12,
+            losses=losses, grad_norms=norms, final_loss=losses[-1],
+        )
+    except torch.OutOfMemoryError as e:
+        record.update(status="OOM", error=str(e).splitlines()[0][:300])
+    if cuda:  # the largest over ranks (an OOM rank's too)
+        memory = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], dtype=torch.float64, device=device)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        record.update(peak_allocated_gib=float(memory[0]) / 2**30, peak_reserved_gib=float(memory[1]) / 2**30,
+                      peak_memory_of="largest over ranks, training steps")
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
