@@ -121,7 +121,7 @@ from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
-from megablocks_utils.optim import build_optimizer, param_dtype  # noqa: E402
+from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -358,6 +358,11 @@ runtime = time.perf_counter() - run_start
 # ----------------------------------------------------------------------------- summary and export
 memory = peak_memory_gb(device)
 memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
+# Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
+local = [p.to_local() for p in model.parameters()]
+state_sizes = torch.tensor([sum(t.numel() for t in local), sum(2 * t.numel() * t.element_size() for t in local) + state_bytes(optimizer)],
+                           dtype=torch.float64, device=device)
+dist.all_reduce(state_sizes)
 dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
 summary = {
     "train_runtime": runtime,
@@ -367,6 +372,8 @@ summary = {
     **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
     "final_loss": record["loss"] if record else None,
     "skipped_steps": nonfinite_steps.skipped,
+    "bytes_per_param": float(state_sizes[1] / state_sizes[0]),
+    "optim": optim,
     "world_size": world_size,
     "dp": mesh.dp_size,
     "ep": mesh.ep_size,

@@ -414,17 +414,14 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     lm_head = counts.vocab * counts.hidden  # its gradient: from the first step of the backward to the root's reduce-scatter
-    # Experts in one shard (not split over dp) keep their compute-dtype copy for the whole step
-    # (parallelize.set_gradient_sync: one cast per step); split ones are gathered a layer at a time.
-    one_shard = (dp // r if shard else 1) == 1
-    kept_experts = counts.expert / ep if one_shard else GATHERED_LAYERS * local_experts_layer
-    gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer + kept_experts)
+    gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * (counts.dense_layer + local_experts_layer))
     gathered_grads = UNSHARDED_GRAD_BYTES * (counts.dense_layer + local_experts_layer) + COMPUTE_BYTES * lm_head
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:
-        # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts in one shard.
-        # Experts split over dp are reduce-scattered at every micro-step (parallelize.set_gradient_sync).
-        accumulated = ACCUMULATED_GRAD_BYTES * (counts.dense + (counts.expert / ep if one_shard else 0))
+        # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts replicated over
+        # dp. Others are reduced at every micro-step (parallelize.set_gradient_sync).
+        replicated = not shard and dp > 1
+        accumulated = ACCUMULATED_GRAD_BYTES * (counts.dense + (counts.expert / ep if replicated else 0))
 
     tokens = plan.per_device_train_batch_size * plan.max_length
     activations = activation_bytes(config, tokens, mode)
