@@ -67,9 +67,12 @@ def _expert_shard_dim(param: nn.Parameter) -> Shard:
 
 def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # The experts' inputs include the fp32 router weights: FSDP must not cast them to bf16 (it casts a
+    # module's forward inputs, but not again when activation checkpointing recomputes the layer).
+    expert_mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in moe_blocks(model):
         experts = fully_shard(
-            block.experts, mesh=mesh.expert_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+            block.experts, mesh=mesh.expert_fsdp, mp_policy=expert_mp_policy, reshard_after_forward=reshard_after_forward,
             shard_placement_fn=_expert_shard_dim,
         )
         experts.set_gradient_divide_factor(float(mesh.world_size))
