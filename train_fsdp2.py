@@ -223,8 +223,8 @@ if resume_from:
     start_step = restored["step"]
     if master:
         print(f"resumed from {resume_from} at step {start_step} (written by {restored['world_size']} ranks)", flush=True)
-        if not math.isclose(scheduler.base_lrs[0], learning_rate):
-            print(f"warning: the checkpoint's run used learning_rate={scheduler.base_lrs[0]:g}; a resumed run continues "
+        if not math.isclose(float(scheduler.base_lrs[0]), learning_rate, rel_tol=1e-6):  # torchao keeps lr as an fp32 tensor
+            print(f"warning: the checkpoint's run used learning_rate={float(scheduler.base_lrs[0]):g}; a resumed run continues "
                   f"its schedule, so learning_rate={learning_rate:g} is not used (to train with another rate, start a "
                   "new run from the exported model)", flush=True)
         if restored["samples_per_step"] != batches.per_step:

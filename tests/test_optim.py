@@ -1,0 +1,70 @@
+"""Every `optim` trains our EP + FSDP2 model in the precision it promises (2 gloo ranks, two meshes)."""
+
+import torch
+from conftest import run_ranks, tiny_mixtral_config
+
+from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, count_label_tokens, expert_parameters
+from megablocks_utils.optim import OPTIMIZERS, build_optimizer, param_dtype, state_bytes
+from megablocks_utils.parallelize import parallelize
+
+# Optimizer state bytes per parameter each option promises (AdamW's two moments): fp32, bf16, and 8-bit
+# codes (plus per-block scales and a 256-entry codebook per tensor: up to ~0.6 more on these small tensors).
+STATE_BYTES = {"adamw_torch": (7.9, 8.1), "adamw_bf16": (3.9, 4.1), "adamw_torch_8bit": (2.0, 3.0)}
+
+
+def train_steps(rank, world, optim, ep_size, steps=4):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_mixtral_config()
+    model = AutoModelForCausalLM.from_config(config).to(param_dtype(optim))
+    mesh = build_mesh(ep_size, "cpu")
+    parallelize(model, mesh, param_dtype=param_dtype(optim), device="cpu")
+    experts = set(expert_parameters(model))
+    groups = [{"params": [p for p in model.parameters() if p not in experts]}, {"params": list(experts)}]
+    optimizer = build_optimizer(optim, groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, device_type="cpu")
+    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(1, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))[rank * 2:(rank + 1) * 2]
+    losses = []
+    for _ in range(steps):
+        # this rank's mean; FSDP averages over the 2 ranks (equal token counts): the global mean's gradient
+        loss = causal_lm_loss_sum(model(ids).logits.float(), ids) / count_label_tokens(ids)
+        loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return model, optimizer, before, losses
+
+
+def check_every_optim(rank, world):
+    for ep_size in (2, 1):  # ep = 2; dp = 2 with experts FSDP-sharded over dp
+        for optim in OPTIMIZERS:
+            where = f"{optim}, ep={ep_size}"
+            model, optimizer, before, losses = train_steps(rank, world, optim, ep_size)
+            assert losses[-1] < losses[0] - 0.05, (where, losses)
+            numel = 0
+            for name, p in model.named_parameters():
+                assert p.dtype == param_dtype(optim), (where, name, p.dtype)
+                local = p.detach().to_local()
+                numel += local.numel()
+                if local.numel():
+                    assert not torch.equal(local, before[name]), f"{where}: {name} did not change"
+            # A silent fallback to fp32 state (or fp32 weights for adamw_bf16) fails here. torchao keeps
+            # tensors under 4096 elements in fp32 state, so the 8-bit promise is checked on the larger ones.
+            large = [p for p in model.parameters() if p.to_local().numel() >= 4096]
+            assert large, where
+            total = sum(p.to_local().numel() for p in large)
+            measured = sum(_state_bytes_of(optimizer.state[p]) for p in large) / total
+            low, high = STATE_BYTES[optim]
+            assert low <= measured <= high, (where, measured)
+
+
+def _state_bytes_of(state: dict) -> int:
+    holder = torch.optim.Optimizer.__new__(torch.optim.Optimizer)  # state_bytes reads only .state
+    holder.state = {0: state}
+    return state_bytes(holder)
+
+
+def test_every_optim_trains_in_its_precision_on_two_meshes():
+    run_ranks(check_every_optim, 2)
