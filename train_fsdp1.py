@@ -208,6 +208,21 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
+# The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
+from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
+
+# Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; README says why).
+plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
+                       nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), max_length=max_length,
+                       per_device_train_batch_size=args.per_device_train_batch_size,
+                       gradient_accumulation_steps=args.gradient_accumulation_steps,
+                       activation_checkpointing="full" if args.activation_checkpointing else "none")
+if master:
+    print(plan.describe(), flush=True)
+if use_cuda:
+    too_big = fit_error(plan, torch.cuda.get_device_properties(device).total_memory)
+    if too_big:
+        fail(too_big)
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
