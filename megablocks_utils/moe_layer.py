@@ -6,9 +6,10 @@ One token's trip through a layer:
   the router scores and sum the k copies of each token.
 
 No capacity factor: every token copy is computed, an expert with zero tokens is fine.
-Expert weights are DTensors (Replicate on "dp", Shard(0) on "ep"); the forward uses their local
-shard. Their gradient is therefore this ep group's contribution only: ``sync_expert_grads`` in
-``grads.py`` sums it over dp and scales it the way FSDP scales dense gradients.
+Expert weights are DTensors sharded (Shard(0)) over the ep mesh; under FSDP2 (``parallelize.py``) they
+are gathered over dp before the forward, which uses their local block. Their gradient is therefore
+this ep group's contribution only: FSDP's reduce-scatter (or ``sync_expert_grads`` for FSDP1) sums it
+over dp and scales it the way FSDP scales dense gradients (``grads.py``).
 """
 
 import functools
