@@ -62,6 +62,18 @@ def copy_model_files(source_dir: str, dest: str) -> None:
             shutil.copy(os.path.join(source_dir, name), dest)
 
 
+def _plain(value):
+    """``value`` with 0-d tensors as numbers, for JSON: torchao's optimizers keep each group's lr as a
+    tensor, so an LR scheduler's state (base_lrs, _last_lr) holds tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_state: dict, keep_last: int, source_dir: str | None = None) -> str:
     """Collective: every rank writes its shards; returns the final directory."""
     rank = dist.get_rank()
@@ -75,7 +87,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     if rank == 0:
-        state = dict(trainer_state, step=step, world_size=dist.get_world_size(), scheduler=scheduler.state_dict())
+        state = dict(trainer_state, step=step, world_size=dist.get_world_size(), scheduler=_plain(scheduler.state_dict()))
         with open(os.path.join(tmp, STATE_NAME), "w") as f:
             json.dump(state, f, indent=1)
         if source_dir is not None:
