@@ -1,67 +1,119 @@
-"""The optimizer and its precision, chosen by one setting ``optim`` (TrainingArguments' names).
+"""The ``optim`` setting: which AdamW, and in what precision its parameters and state are kept.
 
-| optim              | weights | gradients | AdamW state              | bytes / param |
-|--------------------|---------|-----------|--------------------------|---------------|
-| adamw_torch        | fp32    | fp32      | fp32 (torch AdamW)       | 16            |
-| adamw_bf16         | bf16    | bf16      | bf16, stochastic rounding of the update (torchao ``_AdamW``) | 8 |
-| adamw_torch_8bit   | fp32    | fp32      | 8-bit, block-wise scales (torchao ``AdamW8bit``) | ~10 |
+The names are transformers' ``TrainingArguments.optim`` names. Bytes per parameter on each rank's
+shard (parameter + gradient + AdamW's two moments):
 
-Stochastic rounding makes bf16 weights train like fp32 master weights on average: an update smaller
-than half a bf16 step is not lost, it lands with the right probability.
+  adamw_torch       fp32 params, fp32 moments: 4 + 4 + 8 = 16 B. torch.optim.AdamW (fused on CUDA).
+  adamw_bf16        bf16 params, bf16 moments: 2 + 2 + 4 = 8 B. torchao's ``_AdamW`` computes the
+                    update in fp32 and rounds it to bf16 stochastically, so updates far below a bf16
+                    ulp still move the weight on average (plain bf16 rounding would drop them).
+  adamw_torch_8bit  fp32 params, 8-bit moments: 4 + 4 + 2 + 1/32 = 10.03 B. torchao's ``AdamW8bit``:
+                    blockwise-quantised moments (uint8 codes, one fp32 scale per 256 values). Like
+                    bitsandbytes, a tensor whose local shard has fewer than 4096 values or a size not
+                    divisible by 256 keeps fp32 moments (norms, routers: a negligible share).
+
+The model must be built with ``param_dtype(optim)`` parameters (``load_model(..., dtype=...)``);
+``build_optimizer`` refuses parameters of another dtype instead of silently training in it.
+
+adamw_torch_8bit needs fp32 parameters when they are DTensors (FSDP2 shards or expert shards, in any
+grouping). With bf16 DTensor parameters torchao 0.18 fails in its compiled step with "OptimState8bit
+dispatch: attempting to run unimplemented operator/function: func=aten.view.dtype" (seen on CPU; it
+happens in torch.compile's tracing, before any kernel runs, so it is not CPU-specific;
+bench/gpu_optim_check.py probes a GPU). ``DTensor.from_local`` wraps the state in
+a ``view_as``, torchao's ``aten.view.default`` handler returns an OptimState8bit that has lost the bf16
+"appearance" dtype (fp32), and torch.compile's fake-tensor conversion of that view calls
+``base.view(torch.float32)``, which OptimState8bit does not implement (pytorch/ao PR #4216, open).
+Plain bf16 tensors and fp32 DTensors work.
+
+torchao's optimizers ``torch.compile`` one step function per parameter shape (a C++ compiler on CPU):
+the first step takes seconds to a minute longer; later steps do not. Their ``lr`` is a tensor in each
+param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors).
 """
 
 import torch
 
 OPTIMIZERS = ("adamw_torch", "adamw_bf16", "adamw_torch_8bit")
-TORCHAO = "torchao==0.18.0"
+TORCHAO_VERSION = "0.18.0"  # the version these notes were checked with (CPU: torch 2.13; the GPU wheel is the same)
+
+_PARAM_DTYPE = {"adamw_torch": torch.float32, "adamw_bf16": torch.bfloat16, "adamw_torch_8bit": torch.float32}
+# AdamW's two moments, bytes per parameter, for tensors large enough to be quantised (see above).
+_STATE_BYTES = {"adamw_torch": 8.0, "adamw_bf16": 4.0, "adamw_torch_8bit": 2.0 + 2 * 4 / 256}
+BLOCK_SIZE_8BIT = 256  # AdamW8bit's default: values per fp32 scale
+MIN_NUMEL_8BIT = 4096  # torchao keeps fp32 moments for a local shard below this
+
+
+def check_optim(optim: str) -> None:
+    if optim not in OPTIMIZERS:
+        raise ValueError(f"optim={optim!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
 
 
 def param_dtype(optim: str) -> torch.dtype:
-    """The dtype the model's weights must have for ``optim`` (the loader builds them in it)."""
-    return torch.bfloat16 if optim == "adamw_bf16" else torch.float32
+    """The dtype the model's parameters must have for ``optim``."""
+    check_optim(optim)
+    return _PARAM_DTYPE[optim]
+
+
+def state_bytes_per_param(optim: str) -> float:
+    """Bytes of optimizer state (both moments) per parameter, for large tensors."""
+    check_optim(optim)
+    return _STATE_BYTES[optim]
+
+
+def bytes_per_param(optim: str) -> float:
+    """Parameter + gradient (both in ``param_dtype``) + optimizer state, bytes per parameter."""
+    return 2 * param_dtype(optim).itemsize + state_bytes_per_param(optim)
 
 
 def _torchao_optim():
     try:
         import torchao.optim
     except ImportError as e:
-        raise ImportError(f"this optim needs torchao: pip install {TORCHAO} ({e})") from None
+        raise ImportError(f"this optim needs torchao: pip install torchao=={TORCHAO_VERSION}") from e
     return torchao.optim
 
 
-def build_optimizer(optim: str, param_groups, *, lr: float, betas, eps: float, weight_decay: float, device_type: str):
-    """AdamW over ``param_groups`` (one group per mesh: foreach and fused kernels cannot mix meshes)."""
+def build_optimizer(
+    optim: str,
+    param_groups: list[dict],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    device_type: str = "cpu",
+) -> torch.optim.Optimizer:
+    """The optimizer ``optim`` names, over ``param_groups``.
+
+    Keep one group per mesh (dense FSDP shards, expert shards): foreach and fused kernels cannot mix
+    DTensors of different meshes in one call. Every parameter must already be ``param_dtype(optim)``.
+    """
+    check_optim(optim)
+    want = param_dtype(optim)
+    wrong = {p.dtype for group in param_groups for p in group["params"] if p.dtype != want}
+    if wrong:
+        raise ValueError(
+            f"optim={optim!r} needs {want} parameters but the model has {', '.join(sorted(map(str, wrong)))} ones; "
+            f"build the model with dtype=param_dtype({optim!r})"
+        )
     if optim == "adamw_torch":
-        # fused on GPU: 7-8% faster steps at Mixtral width (BENCHMARKS.md); foreach on CPU.
+        # fused on GPU: 7-8% faster steps at Mixtral width (BENCHMARKS.md); the default foreach on CPU.
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=True if device_type == "cuda" else None)
+    ao = _torchao_optim()
     if optim == "adamw_bf16":
-        for group in param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.bfloat16:
-                    raise ValueError(f"optim=adamw_bf16 needs bf16 weights, got {p.dtype}: load the model with "
-                                     "dtype=param_dtype('adamw_bf16')")
-        return _torchao_optim()._AdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       bf16_stochastic_round=True)
-    if optim == "adamw_torch_8bit":
-        return _torchao_optim().AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    raise ValueError(f"optim={optim!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+        return ao._AdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bf16_stochastic_round=True)
+    return ao.AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE_8BIT)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state this rank holds (local shards), for the bytes-per-parameter report."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += _tensor_bytes(local)
-    return total
+    """Bytes of optimizer state this rank holds (its local shards), for summary.json's bytes_per_param."""
+    return sum(_tensor_bytes(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    inner = getattr(t, "__tensor_flatten__", None)
-    if inner is not None and type(t) is not torch.Tensor:  # a tensor subclass (torchao's 8-bit state)
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # a tensor subclass (torchao's 8-bit state)
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
