@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 train_fsdp2.py                      # the embedded tiny Mixtral, CPU or GPU
     torchrun --nproc_per_node=8 train_fsdp2.py --model_name_or_path /models/Mixtral-8x7B-v0.1 --ep_size 8
 
-Edit the settings below or override any of them on the command line (--name value).
+Edit the settings below or override any of them from a file (--config run.yaml) or on the command line
+(--name value; a true/false setting alone means true). `python train_fsdp2.py --help` lists them all.
 """
 
 import json
@@ -32,9 +33,14 @@ max_length = 256  # tokens per sample; longer samples are truncated
 per_device_train_batch_size = 4  # samples per rank per micro-step
 gradient_accumulation_steps = 2  # micro-steps per optimizer step
 learning_rate = 2e-3  # peak learning rate (the tiny model trains from scratch; ~1e-5 for Mixtral)
-lr_scheduler_type = "cosine"  # "cosine", "linear", "constant_with_warmup", ... (SCHEDULERS below)
-warmup_steps = 5  # linear warmup steps
+lr_scheduler_type = "cosine"  # "cosine", "cosine_with_min_lr" (down to min_lr_rate), "linear", "constant_with_warmup", ...
+min_lr_rate = 0.1  # cosine_with_min_lr: the final learning rate as a fraction of learning_rate
+warmup_steps = 5.0  # linear warmup steps; below 1, a fraction of the total steps (as TrainingArguments)
+warmup_ratio = 0.0  # linear warmup as a fraction of the total steps; when > 0 it replaces warmup_steps
 weight_decay = 0.0  # AdamW weight decay
+adam_beta1 = 0.9  # AdamW's decay rate of the gradient average
+adam_beta2 = 0.95  # AdamW's decay rate of the squared-gradient average
+adam_epsilon = 1e-8  # AdamW's denominator guard
 max_grad_norm = 1.0  # clip the global gradient norm (0: no clipping, norm still logged)
 max_steps = 40  # optimizer steps; -1 = num_train_epochs over the data
 num_train_epochs = 1  # used when max_steps = -1
@@ -50,6 +56,8 @@ nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming th
 max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
 collective_timeout_s = 600  # a collective waiting longer than this for another rank (dead or stuck) ends the run with an error
 logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step)
+report_to = "none"  # "tensorboard": also write loss, lr, grad norm, tokens/s, MFU and expert load as TensorBoard scalars
+logging_dir = ""  # where report_to writes its event files; "" = output_dir/runs
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a smaller GPU); 0 = all of it
 # -----------------------------------------------------------------------------
@@ -67,31 +75,22 @@ from megablocks_utils.inputs import (  # noqa: E402
 )
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
 from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402
-from megablocks_utils.optim import OPTIMIZERS  # noqa: E402
-from megablocks_utils.settings import apply_overrides  # noqa: E402
+from megablocks_utils.settings import parse_settings  # noqa: E402
+from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
-# transformers' schedulers that need nothing beyond warmup and total steps
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 
 # ----------------------------------------------------------------------------- inputs
 # Checked on every rank alike from the same files, before the process group and anything heavy: a
 # bad input stops every rank within seconds, rank 0 says what to fix, nothing is written.
 try:
-    apply_overrides(settings)
+    parse_settings(settings, __file__, doc=__doc__)  # --help, --config, --name value; every range and choice (settings.RULES)
     globals().update(settings)
-    if dtype not in ("auto", "bf16", "fp32"):
-        raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
-    if lr_scheduler_type not in SCHEDULERS:
-        raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
-    try:
-        settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    if optim not in OPTIMIZERS:
-        raise InputError(f"optim={optim!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+    settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
+    if report_to == "tensorboard":
+        require_tensorboard()
     read_alpaca(data_path)
     num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
@@ -123,6 +122,7 @@ from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
+from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 use_cuda = torch.cuda.is_available()
@@ -211,8 +211,11 @@ model.train()
 # kernels cannot mix DTensors of different meshes in one call.
 dense_params = [p for p in model.parameters() if p not in experts]
 optimizer = build_optimizer(optim, [{"params": dense_params}, {"params": list(experts)}], lr=learning_rate,
-                            betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, device_type=device.type)
-scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+                            betas=(adam_beta1, adam_beta2), eps=adam_epsilon, weight_decay=weight_decay, device_type=device.type)
+warmup = warmup_ratio or warmup_steps  # steps, or below 1 a fraction of the total steps (TrainingArguments' rule)
+scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(warmup * total_steps) if warmup < 1 else int(warmup),
+                          num_training_steps=total_steps,
+                          scheduler_specific_kwargs={"min_lr_rate": min_lr_rate} if lr_scheduler_type == "cosine_with_min_lr" else None)
 
 start_step = 0
 if resume_from:
@@ -266,6 +269,7 @@ if master:
     with open(os.path.join(output_dir, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
     metrics = JsonlWriter(metrics_path)
+    board = TensorBoardWriter(logging_dir or os.path.join(output_dir, "runs"), start_step) if report_to == "tensorboard" else None
     from tqdm import tqdm
 
     progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
@@ -338,6 +342,8 @@ for step in range(start_step, total_steps):
     }
     if master:
         metrics.write(record)
+        if board:
+            board.write(record)
         progress.update(1)
         if (step + 1) % logging_steps == 0:
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}")
@@ -382,6 +388,8 @@ export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from
 if master:
     progress.close()
     metrics.close()
+    if board:
+        board.close()
     write_summary(os.path.join(output_dir, "summary.json"), summary)
     print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
     if nonfinite_steps.skipped:
