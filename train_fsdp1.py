@@ -4,8 +4,9 @@ expert parallelism on the experts.
     accelerate launch --num_processes 2 --config_file accelerate.yaml train_fsdp1.py \\
         --accelerator_config accelerator_config.json            # the embedded tiny Mixtral, CPU or GPU
 
-Edit the settings below or override any of them on the command line (--name value); every
-TrainingArguments flag works too (--bf16 true, --activation_checkpointing true, --save_steps 100, ...).
+Edit the settings below or override any of them from a file (--config run.yaml) or on the command line
+(--name value; a true/false setting alone means true); every TrainingArguments flag works too (--bf16,
+--activation_checkpointing, --save_steps 100, ...). `python train_fsdp1.py --help` lists them.
 Same model code, data order and loss as train_fsdp2.py, so both give the same loss at every step.
 """
 
@@ -35,6 +36,7 @@ router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
 max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
+warmup_ratio = 0.0  # linear warmup as a fraction of the total steps; when > 0 it replaces warmup_steps (as train_fsdp2.py)
 # TrainingArguments defaults of this script (the same run as train_fsdp2.py's defaults); any
 # TrainingArguments flag on the command line overrides them.
 trainer_defaults = dict(
@@ -70,13 +72,23 @@ from megablocks_utils.inputs import (  # noqa: E402
     stop_together,
 )
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.settings import apply_overrides  # noqa: E402
+from megablocks_utils.settings import check_values, describe, help_comments, parse_settings  # noqa: E402
+from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 training_fields = dataclasses.fields(TrainingArguments)
 training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in training_fields}  # --no_x: HfArgumentParser's negation
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoint-*")  # what a run leaves in output_dir
+
+
+def trainer_help():
+    """--help's part on TrainingArguments: this script's defaults (comment, else transformers' help), then the rest."""
+    helps = {f.name: f.metadata.get("help", "").split(". ")[0] for f in training_fields}
+    helps.update(help_comments(__file__))
+    return (f"\nTrainingArguments given by this script (trainer_defaults; the same --config and command line override them):\n"
+            f"{describe(trainer_defaults, helps, numbers_only=True)}\n\nEvery other TrainingArguments flag works too, "
+            "e.g. --bf16, --save_strategy steps, --report_to tensorboard (transformers' TrainingArguments documentation).")
 
 
 def complete_trainer_checkpoints(output_dir):
@@ -111,7 +123,8 @@ def trainer_checkpoint(resume_from_checkpoint, output_dir):
 # bad input stops every rank within seconds, rank 0 says what to fix, nothing is written.
 use_cuda = torch.cuda.is_available()
 try:
-    trainer_argv = apply_overrides(settings, known_extra=training_flags - set(settings), extra_kind="TrainingArguments flag")
+    trainer_argv = parse_settings(settings, __file__, known_extra=training_flags - set(settings),
+                                  extra_kind="TrainingArguments flag", doc=__doc__, more_help=trainer_help)
     globals().update(settings)
     defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]
     if not use_cuda:
@@ -134,6 +147,12 @@ try:
         (args,) = parser.parse_args_into_dataclasses(args=defaults + trainer_argv)
     except (argparse.ArgumentError, ValueError) as e:
         raise InputError(f"{e}; fix the TrainingArguments flag") from None
+    # TrainingArguments' own ranges stop at a few (batch size 0, a NaN learning rate pass): ours, as in train_fsdp2.py.
+    check_values({f.name: getattr(args, f.name) for f in training_fields}, numbers_only=True)
+    if warmup_ratio > 0:
+        args.warmup_steps = warmup_ratio  # TrainingArguments takes a fraction of the total steps in warmup_steps
+    if "tensorboard" in (args.report_to or []):
+        require_tensorboard()
     if args.fp16:
         raise InputError("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):

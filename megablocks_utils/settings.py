@@ -220,12 +220,14 @@ def help_comments(script: str) -> dict[str, str]:
     return found
 
 
-def describe(values: dict, helps: dict) -> str:
-    """One entry per setting: flag, type, default and range, then its help."""
+def describe(values: dict, helps: dict, numbers_only: bool = False) -> str:
+    """One entry per setting: flag, type, default and range (``numbers_only``: no choices), then its help."""
     lines = []
     for name, value in values.items():
         kind = type(value).__name__ if value is not None else "str"
         rule = RULES.get(name)
+        if numbers_only and not isinstance(rule, Number):
+            rule = None
         allowed = f"  ({rule.text()})" if rule else ""
         bare = " (alone: true)" if isinstance(value, bool) else (f" (alone: {rule.bare})" if getattr(rule, "bare", None) else "")
         lines.append(f"  --{name} {kind.upper()}  default {json.dumps(value)}{allowed}{bare}")

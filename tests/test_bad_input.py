@@ -187,13 +187,20 @@ EARLY_CASES = {
     "no tokenizer files": (model_copy(remove("tokenizer.json", "tokenizer_config.json")), "has no tokenizer files (none of tokenizer.json, "),
     "unknown setting": (lambda tmp, model: ["--ep_sise", "2"], "unknown setting --ep_sise (did you mean --ep_size?); valid settings: "),
     "unknown LR scheduler": (lambda tmp, model: ["--lr_scheduler_type", "cosinus"], {
-        "train_fsdp2.py": "lr_scheduler_type='cosinus' is unknown; choose one of linear, cosine,",
+        "train_fsdp2.py": "--lr_scheduler_type cosinus is unknown; choose one of linear, cosine,",
         "train_fsdp1.py": "argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'cosinus'",
     }),
     "setting of the wrong type": (lambda tmp, model: ["--max_steps", "ten"], {
         "train_fsdp2.py": "--max_steps expects an integer, got 'ten'",
         "train_fsdp1.py": "argument --max_steps/--max-steps: invalid int value: 'ten'; fix the TrainingArguments flag",
     }),
+    # Out of range (megablocks_utils/settings.py RULES; TrainingArguments' names in train_fsdp1.py too).
+    "batch size 0": (lambda tmp, model: ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 is out of range; give an integer > 0"),
+    "accumulation 0": (lambda tmp, model: ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0 is out of range; give an integer > 0"),
+    "learning rate nan": (lambda tmp, model: ["--learning_rate", "nan"], "--learning_rate nan is not a finite number; give a number > 0"),
+    "negative save_steps": (lambda tmp, model: ["--save_steps", "-3"], "--save_steps -3 is out of range; give "),
+    "warmup_ratio 1.5": (lambda tmp, model: ["--warmup_ratio", "1.5"], "--warmup_ratio 1.5 is out of range; give a number in [0, 1)"),
+    "max_steps 0": (lambda tmp, model: ["--max_steps", "0"], "--max_steps 0 is out of range; give -1 (num_train_epochs over the data) or an integer > 0"),
 }
 
 

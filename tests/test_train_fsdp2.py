@@ -28,7 +28,8 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "run")
-    result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing", "true")
+    result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing", "true",
+                   "--report_to", "tensorboard", "--peak_tflops", "1")
     assert "summary: train_runtime=" in result.stdout
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 25))
@@ -43,6 +44,25 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     assert SUMMARY_FIELDS <= set(summary)
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
+    assert_tensorboard_scalars(os.path.join(out, "runs"), records)
+
+
+def assert_tensorboard_scalars(log_dir, records):
+    """--report_to tensorboard: the records' numbers as scalars (rank 0 only: one event file)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(os.listdir(log_dir)) == 1, os.listdir(log_dir)
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    layers = [f"expert_load_max_over_mean/layer_{i}" for i in range(len(records[0]["tokens_per_expert"]))]
+    tags = ["train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second", "train/mfu", *layers]
+    assert set(tags) <= set(events.Tags()["scalars"]), events.Tags()["scalars"]
+    for tag in tags:
+        assert [e.step for e in events.Scalars(tag)] == [r["step"] for r in records], tag
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    load = [r["tokens_per_expert_max"][0] / r["tokens_per_expert_mean"][0] for r in records]
+    assert [e.value for e in events.Scalars(layers[0])] == pytest.approx(load, rel=1e-6)
+    assert all(v >= 1 for v in load)
 
 
 @pytest.fixture(scope="module")
