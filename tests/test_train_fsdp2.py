@@ -28,8 +28,10 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "run")
-    result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing", "true",
-                   "--report_to", "tensorboard", "--peak_tflops", "1")
+    # (the schedule's settings ride along: warmup_ratio 0.1 of 24 steps = 3 warmup steps, then a cosine down to 10%)
+    result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing",
+                   "--report_to", "tensorboard", "--peak_tflops", "1",
+                   "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr_rate", "0.1", "--warmup_ratio", "0.1")
     assert "summary: train_runtime=" in result.stdout
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 25))
@@ -37,6 +39,9 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
         assert RECORD_FIELDS <= set(r), RECORD_FIELDS - set(r)
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
         assert len(r["tokens_per_expert"]) == 4 and len(r["tokens_per_expert"][0]) == 8
+    peak = 2e-3
+    assert [r["lr"] for r in records[:3]] == pytest.approx([peak / 3, 2 * peak / 3, peak])
+    assert records[-1]["lr"] == pytest.approx(0.1 * peak)
     first = sum(r["loss"] for r in records[:4]) / 4
     last = sum(r["loss"] for r in records[-4:]) / 4
     assert last < first - 0.5, (first, last)
