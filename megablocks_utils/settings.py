@@ -106,6 +106,7 @@ RULES = {
     # optimizer and learning rate
     "optim": Choice(OPTIMIZERS),
     "learning_rate": POSITIVE,
+    # transformers' schedulers that need nothing beyond the warmup and total steps, and cosine_with_min_lr (min_lr_rate)
     "lr_scheduler_type": Choice(("linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial",
                                  "constant", "constant_with_warmup", "inverse_sqrt")),
     "min_lr_rate": Number(low=0, high=1),
@@ -138,10 +139,8 @@ def check_values(values: dict, numbers_only: bool = False) -> None:
     """Raise a SettingsError for the first value that breaks its rule (``numbers_only``: skip choices)."""
     for name, value in values.items():
         rule = RULES.get(name)
-        if rule is None or value is None or isinstance(value, bool) or (numbers_only and not isinstance(rule, Number)):
+        if rule is None or value is None or (numbers_only and not isinstance(rule, Number)):
             continue
-        if isinstance(rule, Number) and not isinstance(value, (int, float)):
-            continue  # a str setting of the same name in another script (none today)
         problem = rule.error(value)
         if problem:
             raise SettingsError(f"--{name} {_shown(value)} {problem}")
