@@ -147,7 +147,7 @@ try:
         (args,) = parser.parse_args_into_dataclasses(args=defaults + trainer_argv)
     except (argparse.ArgumentError, ValueError) as e:
         raise InputError(f"{e}; fix the TrainingArguments flag") from None
-    # TrainingArguments' own ranges stop at a few (batch size 0, a NaN learning rate pass): ours, as in train_fsdp2.py.
+    # TrainingArguments checks few ranges (a batch size of 0 and a NaN learning rate pass it): ours, as in train_fsdp2.py.
     check_values({f.name: getattr(args, f.name) for f in training_fields}, numbers_only=True)
     if warmup_ratio > 0:
         args.warmup_steps = warmup_ratio  # TrainingArguments takes a fraction of the total steps in warmup_steps
