@@ -129,6 +129,13 @@ def test_config_file_then_command_line(tmp_path):
     assert (values["per_device_train_batch_size"], values["dtype"]) == (2, "bf16")  # the command line wins wherever it is
 
 
+def test_a_runs_settings_json_is_a_config_that_repeats_it(tmp_path):
+    """train_fsdp2.py writes its settings to output_dir/settings.json: --config takes that file back."""
+    earlier = {**BLOCK, "max_steps": 11, "optim": "adamw_bf16", "overwrite_output_dir": True, "activation_checkpointing": "full"}
+    (tmp_path / "settings.json").write_text(json.dumps(earlier, indent=1))
+    assert parse("--config", str(tmp_path / "settings.json")) == earlier
+
+
 def test_config_file_errors(tmp_path):
     cases = {
         "typo.yaml": ("ep_sise: 2\n", "--config {}: unknown setting --ep_sise (did you mean --ep_size?); valid settings: "),
