@@ -27,11 +27,14 @@ import torch.distributed as dist
 
 # ----------------------------------------------------------------------------- settings
 model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
-data_path = "data.json"  # alpaca-format JSON list of {instruction, input, output}
+data_path = "data.json"  # records (alpaca, chat messages, prompt/completion or text) as JSON, JSONL, parquet or a datasets dir
+eval_data_path = ""  # held-out records for the eval loss (same formats); "" = none, or eval_split
+eval_split = 0.0  # hold out this fraction of data_path's records for the eval loss (--eval_strategy steps --eval_steps N: when)
+packing = True  # pack several samples into each row of max_length, documents kept apart (false: one padded sample per row)
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
-max_length = 256  # tokens per sample; longer samples are truncated
+max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
@@ -62,7 +65,7 @@ trainer_defaults = dict(
 # Only what the inputs' checks need before they run (the Trainer, accelerate's FSDP and the model come after).
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
-from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_records  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_ep_size,
@@ -157,7 +160,11 @@ try:
         raise InputError("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
-    read_alpaca(data_path)
+    read_records(data_path)
+    if eval_data_path and eval_split > 0:
+        raise InputError("give eval_data_path or eval_split, not both")
+    if eval_data_path:
+        read_records(eval_data_path)
     num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
@@ -190,7 +197,9 @@ from megablocks_utils import (  # noqa: E402
     sync_expert_grads,
 )
 from megablocks_utils.checkpoint import copy_model_files  # noqa: E402
-from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
+from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate, tokenize_records  # noqa: E402
+from megablocks_utils.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
     fsdp_on_cpu,
@@ -246,10 +255,19 @@ if use_cuda:
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    dataset, dropped = build_dataset(data_path, tokenizer, max_length)
-    batches = GlobalBatches(
-        dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
-    )
+    dataset, dropped, (held_out, data_format) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split,
+                                                              seed=args.seed, source=model_name_or_path)
+    n_samples = len(dataset)
+    eval_set = None
+    if eval_data_path:
+        eval_set = build_dataset(eval_data_path, tokenizer, max_length, source=model_name_or_path)[0]
+    elif held_out:
+        eval_set = tokenize_records(held_out, data_format, tokenizer, max_length, f"{data_path} (eval_split)")[0]
+    if packing:  # the same rows as train_fsdp2.py (megablocks_utils/packing.py)
+        dataset = pack_dataset(dataset, max_length, args.seed)
+        eval_set = pack_dataset(eval_set, max_length, args.seed) if eval_set is not None else None
+    batches = GlobalBatches(dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank,
+                            args.seed, unit="packed rows" if packing else "samples")
 with stop_together():
     # FSDP1 cannot shard the experts' DTensors, so they stay whole on their ep rank and replicated over
     # dp (sync_expert_grads sums their gradients); train_fsdp2.py shards them over dp as well.
@@ -265,8 +283,10 @@ peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
 world_group = mesh.world.get_group()
 if master:
     print(
-        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {len(dataset)} samples ({dropped} dropped: "
-        f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {n_samples} {data_format} samples ({dropped} dropped: "
+        f"no label within max_length)" + (f" packed into {len(dataset)} rows of {max_length}" if packing else "")
+        + f"; {batches.per_step} {'rows' if packing else 'samples'} per step; {total_steps} steps"
+        + (f"; eval: {len(eval_set)} {'rows' if packing else 'samples'}" if eval_set is not None else ""),
         flush=True,
     )
 
@@ -281,20 +301,21 @@ class StepMetrics(TrainerCallback):
         self.skipped = False
         self.total_tokens = 0.0
         self.record = {}
+        self.eval_pending = False
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
-        # [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses] and [layer, expert]
-        # top-k counts, summed over ranks before the optimizer step (MoETrainer.sync_and_clip).
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+        # [ce sum, aux, real tokens, token slots, non-finite micro-batch losses, squared attention spans] and
+        # [layer, expert] top-k counts, summed over ranks before the optimizer step (MoETrainer.sync_and_clip).
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
         self.tokens_per_expert = 0
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        ce_sum, aux_loss, real_tokens, slots, _ = (float(x) for x in self.sums)
+        ce_sum, aux_loss, real_tokens, slots, _, attention_sq = (float(x) for x in self.sums)
         step_time = time.perf_counter() - self.start  # after float(): the GPU has finished the optimizer step too
         ce_loss = ce_sum / self.label_tokens
         self.total_tokens += real_tokens
-        flops = flops_per_token(n_active, config, slots / batches.per_step) * slots
+        flops = flops_per_token(n_active, config, attention_sq / slots) * slots  # the attention term: sum of spans^2
         self.record = {
             "step": state.global_step,
             "loss": ce_loss + aux_coef * aux_loss,
@@ -304,6 +325,7 @@ class StepMetrics(TrainerCallback):
             "grad_norm": self.grad_norm,
             "skipped": self.skipped,
             "tokens": int(real_tokens),
+            "token_slots": int(slots),
             "tokens_per_second": real_tokens / step_time,
             "tokens_per_second_per_device": real_tokens / step_time / world_size,
             "tflops_per_device": flops / step_time / world_size / 1e12,
@@ -314,7 +336,11 @@ class StepMetrics(TrainerCallback):
             "tokens_per_expert_mean": self.tokens_per_expert.mean(dim=1).tolist(),
             "tokens_per_expert": self.tokens_per_expert.long().tolist(),
         }
-        if self.writer is not None:
+        if eval_set is not None and state.global_step == state.max_steps:
+            control.should_evaluate = True  # the eval loss at the end too, as train_fsdp2.py
+        # A step with an evaluation is written once its eval loss is known (MoETrainer.evaluate).
+        self.eval_pending = eval_set is not None and control.should_evaluate
+        if self.writer is not None and not self.eval_pending:
             self.writer.write(self.record)
 
 
@@ -377,18 +403,21 @@ class MoETrainer(Trainer):
         return samples, tokens
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-        stats = router_stats(model, inputs["attention_mask"], world_group)
+        # Packed rows: per-document position_ids, no attention mask, no cache (see train_fsdp2.py)
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"],
+                    use_cache=False)
+        stats = router_stats(model, inputs["real"], world_group)
         ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, inputs["labels"]), self.state.global_step + 1, rank, world_size)  # test hook
         micro_steps = self.current_gradient_accumulation_steps
         # Each rank's loss is world_size x its share of the global mean (FSDP averages dense gradients over
         # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
         # over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
         loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
-        mask = inputs["attention_mask"]
+        mask = inputs["real"]
         step_metrics.sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (micro_steps * world_size),
                                           mask.sum().double(), torch.tensor(mask.numel(), device=mask.device).double(),
-                                          (~torch.isfinite(loss.detach())).double()])
+                                          (~torch.isfinite(loss.detach())).double(),
+                                          torch.tensor(inputs["attention_sq"], device=mask.device).double()])
         step_metrics.tokens_per_expert = step_metrics.tokens_per_expert + stats.tokens_per_expert
         return (loss, out) if return_outputs else loss
 
@@ -416,11 +445,29 @@ class MoETrainer(Trainer):
         inject_nan_grad(self.model.parameters(), step, rank, world_size)  # test hook
         norm = float(clip_grad_norm_(self.model.parameters(), max_grad_norm, sharded_group=grad_shard_group(self.model)))
         dist.all_reduce(step_metrics.sums, group=world_group)
-        ce_sum, aux_loss, _, _, nonfinite_losses = (float(x) for x in step_metrics.sums)
+        ce_sum, aux_loss, _, _, nonfinite_losses, _ = (float(x) for x in step_metrics.sums)
         step_metrics.grad_norm = norm
         step_metrics.skipped = nonfinite_steps.check(step, ce_sum / step_metrics.label_tokens + aux_coef * aux_loss, norm, int(nonfinite_losses))
         if step_metrics.skipped:
             optimizer.zero_grad(set_to_none=True)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Trainer's schedule (--eval_strategy steps --eval_steps N, and the last step) with the suite's eval
+        loss (megablocks_utils/evaluate.py): every rank runs the same number of forwards through the expert
+        shards, and the loss is the mean over the eval set's label tokens, as in train_fsdp2.py."""
+        if eval_set is None:
+            return {}
+        value = eval_loss(self.model_wrapped, eval_set, self.args.per_device_train_batch_size, tokenizer.pad_token_id,
+                          device, world_group)
+        metrics = {f"{metric_key_prefix}_loss": value}
+        self.log(metrics)
+        if step_metrics.eval_pending:
+            step_metrics.record["eval_loss"] = value
+            if step_metrics.writer is not None:
+                step_metrics.writer.write(step_metrics.record)
+            step_metrics.eval_pending = False
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     def log(self, logs, start_time=None):
         if "grad_norm" in logs:  # Trainer's own norm misses the expert shards; report ours
@@ -432,7 +479,7 @@ class MoETrainer(Trainer):
 
 step_metrics = StepMetrics()
 trainer = MoETrainer(
-    model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm(), ModelFilesInCheckpoints()]
+    model=model, args=args, train_dataset=dataset, eval_dataset=eval_set, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm(), ModelFilesInCheckpoints()]
 )
 
 # ----------------------------------------------------------------------------- parallelize
@@ -512,6 +559,7 @@ summary = {
     "train_tokens_per_second_per_device": step_metrics.total_tokens / runtime / world_size,
     **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
     "final_loss": step_metrics.record.get("loss"),
+    "eval_loss": step_metrics.record.get("eval_loss"),
     "skipped_steps": nonfinite_steps.skipped,
     "world_size": world_size,
     "dp": mesh.dp_size,

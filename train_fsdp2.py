@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 # ----------------------------------------------------------------------------- settings
 model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
-data_path = "data.json"  # alpaca-format JSON list of {instruction, input, output}
+data_path = "data.json"  # records (alpaca, chat messages, prompt/completion or text) as JSON, JSONL, parquet or a datasets dir
+eval_data_path = ""  # held-out records for the eval loss (same formats); "" = none, or eval_split
+eval_split = 0.0  # hold out this fraction of data_path's records for the eval loss (instead of eval_data_path)
+eval_steps = 0  # compute the eval loss every N steps (and at the end, whenever there is eval data); 0 = only at the end
+packing = True  # pack several samples into each row of max_length, documents kept apart (false: one padded sample per row)
+attn_implementation = "sdpa"  # transformers' attention kernel: "sdpa", "eager" or "flex_attention"
 output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF model (final/)
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
@@ -29,8 +34,8 @@ shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replica
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/optim.py)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
-max_length = 256  # tokens per sample; longer samples are truncated
-per_device_train_batch_size = 4  # samples per rank per micro-step
+max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
+per_device_train_batch_size = 4  # rows (packed) or samples per rank per micro-step
 gradient_accumulation_steps = 2  # micro-steps per optimizer step
 learning_rate = 2e-3  # peak learning rate (the tiny model trains from scratch; ~1e-5 for Mixtral)
 lr_scheduler_type = "cosine"  # "cosine", "cosine_with_min_lr" (down to min_lr_rate), "linear", "constant_with_warmup", ...
@@ -63,7 +68,7 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
-from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import DataError, read_records  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_dp_replicate,
@@ -91,7 +96,11 @@ try:
     settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
     if report_to == "tensorboard":
         require_tensorboard()
-    read_alpaca(data_path)
+    read_records(data_path)
+    if eval_data_path and eval_split > 0:
+        raise InputError("give eval_data_path or eval_split, not both")
+    if eval_data_path:
+        read_records(eval_data_path)
     num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
@@ -115,7 +124,9 @@ from megablocks_utils.checkpoint import (  # noqa: E402
     resolve_resume,
     save_checkpoint,
 )
-from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
+from megablocks_utils.data import GlobalBatches, build_dataset, collate, tokenize_records  # noqa: E402
+from megablocks_utils.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
@@ -178,21 +189,35 @@ if use_cuda:
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    dataset, dropped = build_dataset(data_path, tokenizer, max_length)
-    batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
+    dataset, dropped, (held_out, data_format) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split,
+                                                              seed=seed, source=model_name_or_path)
+    n_samples = len(dataset)
+    eval_set = None
+    if eval_data_path:
+        eval_set = build_dataset(eval_data_path, tokenizer, max_length, source=model_name_or_path)[0]
+    elif held_out:
+        eval_set = tokenize_records(held_out, data_format, tokenizer, max_length, f"{data_path} (eval_split)")[0]
+    if packing:  # rows of several samples (megablocks_utils/packing.py); the eval loss is the same packed or not
+        dataset = pack_dataset(dataset, max_length, seed)
+        eval_set = pack_dataset(eval_set, max_length, seed) if eval_set is not None else None
+    batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
+                            unit="packed rows" if packing else "samples")
 # The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():
-    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend)
+    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend,
+                             attn_implementation=attn_implementation)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {len(dataset)} samples ({dropped} dropped: "
-        f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
+        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {n_samples} {data_format} samples ({dropped} dropped: "
+        f"no label within max_length)" + (f" packed into {len(dataset)} rows of {max_length}" if packing else "")
+        + f"; {batches.per_step} {'rows' if packing else 'samples'} per step; {total_steps} steps"
+        + (f"; eval: {len(eval_set)} {'rows' if packing else 'samples'}" if eval_set is not None else ""),
         flush=True,
     )
 
@@ -230,14 +255,15 @@ if resume_from:
             print(f"warning: the checkpoint's run used learning_rate={float(scheduler.base_lrs[0]):g}; a resumed run continues "
                   f"its schedule, so learning_rate={learning_rate:g} is not used (to train with another rate, start a "
                   "new run from the exported model)", flush=True)
-        if restored["samples_per_step"] != batches.per_step:
-            print(f"warning: the checkpoint's run used {restored['samples_per_step']} samples per step, this one "
-                  f"{batches.per_step}: the data order after resume differs from the original run", flush=True)
+        if (restored["samples_per_step"], restored.get("packing", False)) != (batches.per_step, packing):
+            print(f"warning: the checkpoint's run used {restored['samples_per_step']} "
+                  f"{'rows' if restored.get('packing', False) else 'samples'} per step, this one {batches.per_step} "
+                  f"{'rows' if packing else 'samples'}: the data order after resume differs from the original run", flush=True)
 
 
 def checkpoint(step):
     save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
-                    {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
+                    {"samples_per_step": batches.per_step, "packing": packing, "seed": seed}, save_total_limit, model_name_or_path)
 
 
 def where_to_continue(bad_step):
@@ -277,33 +303,37 @@ dist.barrier()
 
 run_start = time.perf_counter()
 total_tokens_seen = 0
-record = None
+total_slots_real = total_slots = 0.0
+record = last_eval_loss = None
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    # Per-step accumulators: [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses]
-    # (summed over ranks below).
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
+    # Per-step accumulators: [ce sum, aux, real tokens, token slots, non-finite micro-batch losses, squared
+    # attention spans] (summed over ranks below).
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
     tokens_per_expert = 0
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        stats = router_stats(model, batch["attention_mask"], world_group)
+        # Packed rows come with per-document position_ids and no attention mask (data.collate); without a
+        # cache, transformers turns them into a mask that keeps documents apart.
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                    use_cache=False)
+        stats = router_stats(model, batch["real"], world_group)
         ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
         # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
         loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
         loss.backward()
         sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                             batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
-                             (~torch.isfinite(loss.detach())).double()])
+                             batch["real"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
+                             (~torch.isfinite(loss.detach())).double(), torch.tensor(batch["attention_sq"], device=device).double()])
         tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
     inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     # Before the optimizer step, so every rank decides on the same global loss and norm.
     dist.all_reduce(sums, group=world_group)
-    ce_loss, aux_loss, real_tokens, slots, nonfinite_losses = (float(x) for x in sums)
+    ce_loss, aux_loss, real_tokens, slots, nonfinite_losses, attention_sq = (float(x) for x in sums)
     ce_loss /= step_label_tokens
     try:
         skipped = nonfinite_steps.check(step + 1, ce_loss + aux_coef * aux_loss, float(grad_norm), int(nonfinite_losses))
@@ -319,8 +349,8 @@ for step in range(start_step, total_steps):
         torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
     step_time = time.perf_counter() - step_start
     total_tokens_seen += real_tokens
-    seq_len = slots / (batches.per_step)
-    flops = flops_per_token(n_active, config, seq_len) * slots
+    total_slots_real, total_slots = total_slots_real + real_tokens, total_slots + slots
+    flops = flops_per_token(n_active, config, attention_sq / slots) * slots  # the attention term: sum of spans^2
     record = {
         "step": step + 1,
         "loss": ce_loss + aux_coef * aux_loss,
@@ -330,6 +360,7 @@ for step in range(start_step, total_steps):
         "grad_norm": float(grad_norm),
         "skipped": skipped,
         "tokens": int(real_tokens),
+        "token_slots": int(slots),
         "tokens_per_second": real_tokens / step_time,
         "tokens_per_second_per_device": real_tokens / step_time / world_size,
         "tflops_per_device": flops / step_time / world_size / 1e12,
@@ -340,13 +371,17 @@ for step in range(start_step, total_steps):
         "tokens_per_expert_mean": tokens_per_expert.mean(dim=1).tolist(),
         "tokens_per_expert": tokens_per_expert.long().tolist(),
     }
+    if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
+        record["eval_loss"] = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group)
+        last_eval_loss = record["eval_loss"]
     if master:
         metrics.write(record)
         if board:
             board.write(record)
         progress.update(1)
         if (step + 1) % logging_steps == 0:
-            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}")
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}",
+                                 **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}))
     if save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps):
         checkpoint(step + 1)
     dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)
@@ -377,6 +412,8 @@ summary = {
     "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
     **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
     "final_loss": record["loss"] if record else None,
+    "eval_loss": last_eval_loss,
+    "token_fill": total_slots_real / total_slots if total_slots else None,  # real tokens per computed position
     "skipped_steps": nonfinite_steps.skipped,
     "bytes_per_param": float(state_sizes[1] / state_sizes[0]),
     "optim": optim,

@@ -125,6 +125,9 @@ RULES = {
     "save_total_limit": Number(low=1),
     "logging_steps": POSITIVE,
     "report_to": Choice(("none", "tensorboard")),
+    "eval_split": FRACTION,
+    "eval_steps": NON_NEGATIVE,
+    "attn_implementation": Choice(("sdpa", "eager", "flex_attention")),
     "peak_tflops": NON_NEGATIVE,
 }
 
