@@ -6,10 +6,8 @@
 Edit the settings below or override any of them on the command line (--name value).
 """
 
-import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -109,8 +107,18 @@ except InputError as e:
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats  # noqa: E402
+from megablocks_utils.bookkeeping import (  # noqa: E402
+    MetricsLog,
+    StepSums,
+    checkpoints_kept,
+    disk_space_warning,
+    finished_run,
+    prepare_output_dir,
+    summary_line,
+)
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
+    checkpoint_step,
     complete_checkpoints,
     load_checkpoint,
     resolve_resume,
@@ -119,9 +127,9 @@ from megablocks_utils.checkpoint import (  # noqa: E402
 from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
-from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
-from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
-from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
+from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
+from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes, state_bytes_per_param  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -154,6 +162,7 @@ metrics_path = os.path.join(output_dir, "metrics.jsonl")
 checkpoint_root = os.path.join(output_dir, "checkpoints")
 try:
     resume_from = resolve_resume(resume, checkpoint_root)
+    resume_step = checkpoint_step(resume_from) if resume_from else 0
 except CheckpointError as e:
     fail(e)
 if resume == "auto" and resume_from is None and not overwrite_output_dir and {"summary.json", "final/"} & set(earlier_results):
@@ -180,6 +189,18 @@ with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     dataset, dropped = build_dataset(data_path, tokenizer, max_length)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
+total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
+done = finished_run(output_dir, resume_from, resume_step, total_steps)
+if done:  # a requeued job's --resume auto after the run finished: succeed, write nothing
+    if master:
+        print(done, flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)
+# A checkpoint holds the weights in param_dtype and the optimizer state; one is written before the oldest goes.
+space = disk_space_warning(output_dir, plan.counts.total * (param_dtype(optim).itemsize + state_bytes_per_param(optim)),
+                           checkpoints_kept(total_steps, save_steps, save_total_limit))
+if master and space:
+    print(space, flush=True)
 # The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
@@ -187,7 +208,6 @@ with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
-total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
@@ -233,54 +253,33 @@ if resume_from:
 
 
 def checkpoint(step):
-    save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
-                    {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
+    try:
+        save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
+                        {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
+    except CheckpointError as e:  # e.g. a full disk: every rank stops here, the partial checkpoint removed
+        if master:
+            progress.close()  # the message on a line of its own
+        fail(e)
 
-
-def where_to_continue(bad_step):
-    """For the stop message: the newest complete checkpoint before the bad step, and how to go on from it."""
-    # (one of a later step is another run's, left there when this one resumed from an earlier checkpoint)
-    found = [c for c in complete_checkpoints(checkpoint_root) if int(os.path.basename(c)[5:]) < bad_step]
-    if not found:
-        return "no checkpoint was saved before it (--save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
-    return (f"the last good checkpoint is {found[-1]}; continue with --resume {found[-1]} --nonfinite skip "
-            "(a resumed run repeats the same batches, so this step may fail again without skip)")
-
-
-n_active = active_params(model, config, list(experts))
-peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
-world_group = mesh.world.get_group()
 
 # ----------------------------------------------------------------------------- train
+kept = None
 if master:
-    if os.path.isdir(output_dir) and overwrite_output_dir and not resume_from:
-        for name in RESULTS:
-            path = os.path.join(output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
-    os.makedirs(output_dir, exist_ok=True)
-    if os.path.exists(metrics_path):  # keep the records up to the resumed step, drop any later ones
-        with open(metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    with open(os.path.join(output_dir, "settings.json"), "w") as f:
-        json.dump(settings, f, indent=1)
-    metrics = JsonlWriter(metrics_path)
+    kept = prepare_output_dir(output_dir, RESULTS, overwrite_output_dir and not resume_from, start_step, settings)
     from tqdm import tqdm
 
     progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 dist.barrier()
+log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size, samples_per_step=batches.per_step,
+                 n_active=active_params(model, config, list(experts)), config=config,
+                 peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
+world_group = mesh.world.get_group()
 
 run_start = time.perf_counter()
-total_tokens_seen = 0
-record = None
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    # Per-step accumulators: [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses]
-    # (summed over ranks below).
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
-    tokens_per_expert = 0
+    sums = StepSums(device)  # summed over ranks below
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
@@ -291,22 +290,20 @@ for step in range(start_step, total_steps):
         # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
         loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
         loss.backward()
-        sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                             batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
-                             (~torch.isfinite(loss.detach())).double()])
-        tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
+        sums.add(ce_sum=ce_sum, aux=stats.value / (len(micro_batches) * world_size), tokens=batch["attention_mask"].sum(),
+                 token_slots=batch["input_ids"].numel(), nonfinite=~torch.isfinite(loss.detach()),
+                 tokens_per_expert=stats.tokens_per_expert)
     inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     # Before the optimizer step, so every rank decides on the same global loss and norm.
-    dist.all_reduce(sums, group=world_group)
-    ce_loss, aux_loss, real_tokens, slots, nonfinite_losses = (float(x) for x in sums)
-    ce_loss /= step_label_tokens
+    sums.all_reduce(world_group)
     try:
-        skipped = nonfinite_steps.check(step + 1, ce_loss + aux_coef * aux_loss, float(grad_norm), int(nonfinite_losses))
+        skipped = nonfinite_steps.check(step + 1, sums.ce_sum / step_label_tokens + aux_coef * sums.aux, float(grad_norm), int(sums.nonfinite))
     except NonFiniteStep as e:
         if master:
             progress.close()  # the message on a line of its own
-        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
+        saved = [(int(os.path.basename(c)[5:]), c) for c in complete_checkpoints(checkpoint_root)]
+        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
     if not skipped:
         optimizer.step()
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
@@ -314,30 +311,9 @@ for step in range(start_step, total_steps):
     if use_cuda:
         torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
     step_time = time.perf_counter() - step_start
-    total_tokens_seen += real_tokens
-    seq_len = slots / (batches.per_step)
-    flops = flops_per_token(n_active, config, seq_len) * slots
-    record = {
-        "step": step + 1,
-        "loss": ce_loss + aux_coef * aux_loss,
-        "ce_loss": ce_loss,
-        "aux_loss": aux_loss,
-        "lr": float(scheduler.get_last_lr()[0]),
-        "grad_norm": float(grad_norm),
-        "skipped": skipped,
-        "tokens": int(real_tokens),
-        "tokens_per_second": real_tokens / step_time,
-        "tokens_per_second_per_device": real_tokens / step_time / world_size,
-        "tflops_per_device": flops / step_time / world_size / 1e12,
-        "mfu": flops / step_time / world_size / peak_flops if peak_flops else None,
-        "step_time_s": step_time,
-        **peak_memory_gb(device),
-        "tokens_per_expert_max": tokens_per_expert.max(dim=1).values.tolist(),
-        "tokens_per_expert_mean": tokens_per_expert.mean(dim=1).tolist(),
-        "tokens_per_expert": tokens_per_expert.long().tolist(),
-    }
+    record = log.record(step + 1, sums, label_tokens=step_label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                        skipped=skipped, step_time=step_time)  # written to metrics.jsonl by rank 0
     if master:
-        metrics.write(record)
         progress.update(1)
         if (step + 1) % logging_steps == 0:
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}")
@@ -356,34 +332,19 @@ for step in range(start_step, total_steps):
 runtime = time.perf_counter() - run_start
 
 # ----------------------------------------------------------------------------- summary and export
-memory = peak_memory_gb(device)
-memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
 local = [p.to_local() for p in model.parameters()]
 state_sizes = torch.tensor([sum(t.numel() for t in local), sum(2 * t.numel() * t.element_size() for t in local) + state_bytes(optimizer)],
                            dtype=torch.float64, device=device)
 dist.all_reduce(state_sizes)
-dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
-summary = {
-    "train_runtime": runtime,
-    "train_steps_per_second": (total_steps - start_step) / runtime,
-    "train_tokens_per_second": total_tokens_seen / runtime,
-    "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
-    **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
-    "final_loss": record["loss"] if record else None,
-    "skipped_steps": nonfinite_steps.skipped,
-    "bytes_per_param": float(state_sizes[1] / state_sizes[0]),
-    "optim": optim,
-    "world_size": world_size,
-    "dp": mesh.dp_size,
-    "ep": mesh.ep_size,
-}
+summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipped_steps=nonfinite_steps.skipped,
+                      dp=mesh.dp_size, ep=mesh.ep_size, bytes_per_param=float(state_sizes[1] / state_sizes[0]), optim=optim)
 export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     progress.close()
-    metrics.close()
+    log.close()
     write_summary(os.path.join(output_dir, "summary.json"), summary)
-    print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
+    print(summary_line(summary), flush=True)
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
