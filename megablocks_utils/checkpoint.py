@@ -113,17 +113,20 @@ def disk_full(e: BaseException) -> bool:
 def _stop_if_any_failed(error: BaseException | None, root: str, step: int, tmp: str) -> None:
     """Collective: if the save failed on any rank, rank 0 removes the partial ``tmp`` and every rank
     raises the same CheckpointError (a rank going on alone would wait for the others forever)."""
+    found = None
+    if error is not None:  # DCP's error names the rank whose write failed
+        found = (next(iter(getattr(error, "failures", None) or {dist.get_rank(): None})), disk_full(error), describe_failure(error))
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else (disk_full(error), describe_failure(error)))
-    failed = [(rank, found) for rank, found in enumerate(errors) if found is not None]
+    dist.all_gather_object(errors, found)
+    failed = [e for e in errors if e is not None]
     if not failed:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    rank, (full, what) = failed[0]
+    rank, full, what = failed[0]
     where = f" on rank {rank}" if dist.get_world_size() > 1 else ""
     complete = complete_checkpoints(root)
-    last = f"the last complete checkpoint is {complete[-1]}" if complete else "no complete checkpoint was saved before it"
+    last = f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint of this run is complete yet"
     if full:
         free = shutil.disk_usage(root).free / 2**30 if os.path.isdir(root) else float("nan")
         raise CheckpointError(
