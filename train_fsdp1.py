@@ -173,8 +173,8 @@ from megablocks_utils.bookkeeping import (  # noqa: E402
     StepSums,
     checkpoints_kept,
     disk_space_warning,
-    finished_run,
     prepare_output_dir,
+    stop_if_finished,
     summary_line,
 )
 from megablocks_utils.checkpoint import copy_model_files  # noqa: E402
@@ -190,7 +190,6 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
-from megablocks_utils.optim import param_dtype, state_bytes_per_param  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 device = args.device  # sets up accelerate's process state and the process group
@@ -240,17 +239,11 @@ with stop_together():
         dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
     )
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
-done = finished_run(args.output_dir, resume, start_step, total_steps)
-if done:  # a requeued job's --resume_from_checkpoint last after the run finished: succeed, write nothing
-    if master:
-        print(done, flush=True)
-    dist.destroy_process_group()
-    sys.exit(0)
-if args.save_strategy == "steps":  # Trainer's AdamW: fp32 weights and two fp32 moments per parameter
-    space = disk_space_warning(args.output_dir, plan.counts.total * (param_dtype("adamw_torch").itemsize + state_bytes_per_param("adamw_torch")),
-                               checkpoints_kept(total_steps, max(1, int(args.save_steps)), args.save_total_limit or 0))
-    if master and space:
-        print(space, flush=True)
+stop_if_finished(args.output_dir, resume, start_step, total_steps)  # e.g. a requeued --resume_from_checkpoint last after the end: exit 0
+saves = checkpoints_kept(total_steps, max(1, int(args.save_steps)), args.save_total_limit or 0) if args.save_strategy == "steps" else 0
+space = disk_space_warning(args.output_dir, plan.counts.total, "adamw_torch", saves)  # Trainer's AdamW: fp32 weights and moments
+if master and space:
+    print(space, flush=True)
 with stop_together():
     # FSDP1 cannot shard the experts' DTensors, so they stay whole on their ep rank and replicated over
     # dp (sync_expert_grads sums their gradients); train_fsdp2.py shards them over dp as well.

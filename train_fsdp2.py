@@ -112,8 +112,8 @@ from megablocks_utils.bookkeeping import (  # noqa: E402
     StepSums,
     checkpoints_kept,
     disk_space_warning,
-    finished_run,
     prepare_output_dir,
+    stop_if_finished,
     summary_line,
 )
 from megablocks_utils.checkpoint import (  # noqa: E402
@@ -129,7 +129,7 @@ from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
-from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes, state_bytes_per_param  # noqa: E402
+from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -190,15 +190,8 @@ with stop_together():
     dataset, dropped = build_dataset(data_path, tokenizer, max_length)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
-done = finished_run(output_dir, resume_from, resume_step, total_steps)
-if done:  # a requeued job's --resume auto after the run finished: succeed, write nothing
-    if master:
-        print(done, flush=True)
-    dist.destroy_process_group()
-    sys.exit(0)
-# A checkpoint holds the weights in param_dtype and the optimizer state; one is written before the oldest goes.
-space = disk_space_warning(output_dir, plan.counts.total * (param_dtype(optim).itemsize + state_bytes_per_param(optim)),
-                           checkpoints_kept(total_steps, save_steps, save_total_limit))
+stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a requeued --resume auto after the end: exit 0
+space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
 if master and space:
     print(space, flush=True)
 # The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).

@@ -4,18 +4,20 @@ and meanings (a run of one can be compared with a run of the other line by line)
 
 A step's numbers are summed over micro-batches on each rank, then over ranks in one all_reduce
 (``StepSums``); ``MetricsLog`` turns them into the step's record and keeps the run's totals for the
-summary. ``prepare_output_dir`` and ``finished_run`` decide what an earlier run's files become.
+summary. ``prepare_output_dir`` and ``stop_if_finished`` decide what an earlier run's files become.
 """
 
 import glob
 import json
 import os
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 
 from .metrics import JsonlWriter, flops_per_token, peak_memory_gb
+from .optim import param_dtype, state_bytes_per_param
 
 
 class StepSums:
@@ -159,34 +161,41 @@ def prepare_output_dir(output_dir: str, results: tuple[str, ...], clear: bool, r
     return kept
 
 
-def finished_run(output_dir: str, checkpoint: str | None, checkpoint_step: int, total_steps: int) -> str | None:
-    """Resuming from ``checkpoint`` leaves nothing to do: it is at the run's last step (or beyond) and
-    the run's summary.json and final/ are there. Returns what to tell the user, or None.
+def stop_if_finished(output_dir: str, checkpoint: str | None, checkpoint_step: int, total_steps: int) -> None:
+    """Exit 0, writing nothing, when resuming from ``checkpoint`` leaves nothing to do: it is at the run's
+    last step (or beyond) and the run's summary.json and final/ are there (a requeued job's --resume auto
+    after the run ended). Every rank reaches the same verdict from the same files; rank 0 says why.
 
-    Without this check such a resume trains no step and writes summary.json (with an empty run's
-    numbers) and final/ again. A checkpoint at the last step whose run did not finish exporting
-    (summary.json or final/ missing) is not finished: resuming from it writes them.
+    Without this check such a resume trains no step and writes summary.json (an empty run's numbers)
+    and final/ again. A checkpoint at the last step whose run did not finish exporting (summary.json or
+    final/ missing) is not finished: resuming from it writes them.
     """
     if checkpoint is None or checkpoint_step < total_steps:
-        return None
+        return
     if not (os.path.isfile(os.path.join(output_dir, "summary.json")) and os.path.isdir(os.path.join(output_dir, "final"))):
-        return None
-    return (f"{output_dir} holds a finished run: its checkpoint {checkpoint} is at step {checkpoint_step} of {total_steps}, "
-            "and summary.json and final/ are written; nothing to do, nothing changed (raise max_steps to train further, "
-            "or choose another output_dir for a new run)")
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"{output_dir} holds a finished run: its checkpoint {checkpoint} is at step {checkpoint_step} of {total_steps}, "
+              "and summary.json and final/ are written; nothing to do, nothing changed (raise max_steps to train further, "
+              "or choose another output_dir for a new run)", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(0)
 
 
-def disk_space_warning(output_dir: str, checkpoint_bytes: float, checkpoints_kept: int) -> str | None:
-    """A warning when the file system of ``output_dir`` has less free space than the checkpoints the run
-    will keep at once (``checkpoints_kept``, counting the one being written before the oldest goes), or None."""
+def disk_space_warning(output_dir: str, n_params: int, optim: str, checkpoints: int) -> str | None:
+    """A warning when the file system of ``output_dir`` has less free space than the ``checkpoints`` the
+    run keeps at once (``checkpoints_kept``), or None. A checkpoint holds the weights in ``optim``'s
+    dtype and its optimizer state: ``n_params`` x bytes per parameter (gradients are not saved)."""
+    checkpoint_bytes = n_params * (param_dtype(optim).itemsize + state_bytes_per_param(optim))
     path = os.path.abspath(output_dir)
     while not os.path.exists(path):  # the directory may not exist yet: ask its nearest existing parent
         path = os.path.dirname(path)
     free = shutil.disk_usage(path).free
-    needed = checkpoint_bytes * checkpoints_kept
+    needed = checkpoint_bytes * checkpoints
     if free >= needed:
         return None
-    return (f"warning: {path} has {free / 2**30:.1f} GiB free, less than the {checkpoints_kept} checkpoints of "
+    return (f"warning: {path} has {free / 2**30:.1f} GiB free, less than the {checkpoints} checkpoints of "
             f"~{checkpoint_bytes / 2**30:.1f} GiB each this run keeps at once ({needed / 2**30:.1f} GiB); a save "
             "will fail when the disk fills: free space, lower save_total_limit, or write to another output_dir")
 
