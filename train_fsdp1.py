@@ -11,6 +11,7 @@ Same model code, data order and loss as train_fsdp2.py, so both give the same lo
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -177,7 +178,13 @@ from megablocks_utils.bookkeeping import (  # noqa: E402
     stop_if_finished,
     summary_line,
 )
-from megablocks_utils.checkpoint import copy_model_files  # noqa: E402
+from megablocks_utils.checkpoint import (  # noqa: E402
+    DISK_FULL_IN_SAVE_ENV,
+    SAVE_ERRORS,
+    CheckpointError,
+    copy_model_files,
+    stop_if_save_failed,
+)
 from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
 from megablocks_utils.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
@@ -355,6 +362,20 @@ class MoETrainer(Trainer):
                               tokens_per_expert=stats.tokens_per_expert)
         return (loss, out) if return_outputs else loss
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint-N; when a write fails on any rank (a full disk above all), every rank stops
+        with one message and the partial checkpoint-N is removed (megablocks_utils/checkpoint.py)."""
+        path = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        error = None
+        try:
+            super()._save_checkpoint(model, trial)
+            if os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(self.state.global_step) and rank == world_size - 1:  # test hook
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        except SAVE_ERRORS as e:  # every rank must learn of it; the message says what it was
+            error = e
+        stop_if_save_failed(error, self.state.global_step, path, lambda: complete_trainer_checkpoints(self.args.output_dir),
+                            "--resume_from_checkpoint last")
+
     def create_optimizer(self, model=None):
         """Trainer's optimizer (one param group per mesh), made ready for resuming and hooked for clipping."""
         had_optimizer = self.optimizer is not None
@@ -428,9 +449,13 @@ step_metrics.log = MetricsLog(metrics_path if master else None, aux_coef=aux_coe
 
 try:
     result = trainer.train(resume_from_checkpoint=resume)
-except NonFiniteStep as e:
+except CheckpointError as e:  # a checkpoint could not be saved (MoETrainer._save_checkpoint)
     if master:
         print(file=sys.stderr)  # off Trainer's progress bar line
+    fail(e)
+except NonFiniteStep as e:
+    if master:
+        print(file=sys.stderr)
     saved = [(int(c.rsplit("-", 1)[1]), c) for c in complete_trainer_checkpoints(args.output_dir)]
     fail(f"{e}; stopped without applying or saving this step; "
          f"{where_to_continue(e.step, saved, '--resume_from_checkpoint', '--save_strategy steps --save_steps N')}")

@@ -31,13 +31,18 @@ STATE_NAME = "trainer_state.json"
 # Test hook: SIGKILL rank 0 after the shards of this step are written but before the rename, so
 # tests can prove a half-saved checkpoint is ignored on resume. Unset in normal use.
 KILL_IN_SAVE_ENV = "MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP"
-# Test hook: the last rank's shard writes of this step fail as on a full disk (ENOSPC), inside DCP's
-# own write path, so tests can prove the failure is reported and cleaned up. Unset in normal use.
+# Test hook: the last rank's writes of this step's checkpoint fail as on a full disk (ENOSPC): inside
+# DCP's own write path here, after Trainer's save in train_fsdp1.py. So tests can prove the failure
+# is reported and cleaned up. Unset in normal use.
 DISK_FULL_IN_SAVE_ENV = "MEGABLOCKS_TEST_DISK_FULL_AT_STEP"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with what to do about it."""
+
+
+# What a failed save can raise: DCP's CheckpointException (every rank's error) is a BaseException.
+SAVE_ERRORS = (Exception, dcp.CheckpointException)
 
 
 def describe_failure(e: BaseException) -> str:
@@ -110,9 +115,12 @@ def disk_full(e: BaseException) -> bool:
     return False
 
 
-def _stop_if_any_failed(error: BaseException | None, root: str, step: int, tmp: str) -> None:
-    """Collective: if the save failed on any rank, rank 0 removes the partial ``tmp`` and every rank
-    raises the same CheckpointError (a rank going on alone would wait for the others forever)."""
+def stop_if_save_failed(error: BaseException | None, step: int, partial: str, list_complete, resume_flag: str) -> None:
+    """Collective, after each part of a save: if it failed on any rank, rank 0 removes the ``partial``
+    checkpoint directory and every rank raises the same CheckpointError, which says whether the disk
+    is full and names the last complete checkpoint (``list_complete()``, oldest first). A rank going on
+    alone would wait for the others forever. Used by both scripts' saves (DCP here, Trainer's in train_fsdp1.py).
+    """
     found = None
     if error is not None:  # DCP's error names the rank whose write failed
         found = (next(iter(getattr(error, "failures", None) or {dist.get_rank(): None})), disk_full(error), describe_failure(error))
@@ -122,28 +130,29 @@ def _stop_if_any_failed(error: BaseException | None, root: str, step: int, tmp: 
     if not failed:
         return
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
     rank, full, what = failed[0]
     where = f" on rank {rank}" if dist.get_world_size() > 1 else ""
-    complete = complete_checkpoints(root)
+    complete = list_complete()
     last = f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint of this run is complete yet"
+    parent = os.path.dirname(partial)
     if full:
-        free = shutil.disk_usage(root).free / 2**30 if os.path.isdir(root) else float("nan")
+        free = shutil.disk_usage(parent).free / 2**30 if os.path.isdir(parent) else float("nan")
         raise CheckpointError(
-            f"the disk is full: saving the checkpoint of step {step} to {tmp} failed{where} ({what}; {free:.2f} GiB "
-            f"free there); removed the partial {os.path.basename(tmp)}; {last}. Free space (or lower save_total_limit), "
-            "then continue with --resume auto"
+            f"the disk is full: saving the checkpoint of step {step} to {partial} failed{where} ({what}; {free:.2f} GiB "
+            f"free there); removed the partial {os.path.basename(partial)}; {last}. Free space (or lower save_total_limit), "
+            f"then continue with {resume_flag}"
         )
     raise CheckpointError(
-        f"saving the checkpoint of step {step} to {tmp} failed{where} ({what}); removed the partial "
-        f"{os.path.basename(tmp)}; {last}; continue from it with --resume auto once the cause is fixed"
+        f"saving the checkpoint of step {step} to {partial} failed{where} ({what}); removed the partial "
+        f"{os.path.basename(partial)}; {last}; continue with {resume_flag} once the cause is fixed"
     )
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_state: dict, keep_last: int, source_dir: str | None = None) -> str:
     """Collective: every rank writes its shards; returns the final directory.
 
-    Raises CheckpointError on every rank when any rank cannot write (see ``_stop_if_any_failed``).
+    Raises CheckpointError on every rank when any rank cannot write (see ``stop_if_save_failed``).
     """
     rank = dist.get_rank()
     final = os.path.join(root, checkpoint_name(step))
@@ -155,7 +164,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
             os.makedirs(os.path.join(tmp, "rng"))
         except OSError as e:
             error = e
-    _stop_if_any_failed(error, root, step, tmp)  # also the barrier before the others write into tmp
+    stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the others write
     model_state, optim_state = get_state_dict(model, optimizer)
     full_disk = os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(step) and rank == dist.get_world_size() - 1  # test hook
     try:
@@ -167,9 +176,9 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
                 json.dump(state, f, indent=1, default=_tensor_to_json)
             if source_dir is not None:
                 copy_model_files(source_dir, tmp)
-    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException; DCP raises it on every rank
+    except SAVE_ERRORS as e:  # DCP raises on every rank when one rank's write fails
         error = e
-    _stop_if_any_failed(error, root, step, tmp)  # also the barrier before the rename
+    stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the rename
     if rank == 0 and os.environ.get(KILL_IN_SAVE_ENV) == str(step):
         os.kill(os.getpid(), 9)
     if rank == 0:

@@ -341,13 +341,19 @@ def test_resuming_a_finished_run_changes_nothing(finished):
     assert snapshot(out) == before
 
 
-def test_full_disk_while_saving_stops_with_one_message(tiny_model_dir, tmp_path):
-    """Before: torch's "[enforce fail at inline_container.cc:672] unexpected pos" traceback on every rank, and a
-    step_00000002.tmp left behind."""
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
+def test_full_disk_while_saving_stops_with_one_message(tiny_model_dir, tmp_path, script):
+    """Before: torch's "[enforce fail at inline_container.cc:672] unexpected pos" traceback on every rank, and the
+    partial checkpoint left behind (step_00000002.tmp; Trainer's checkpoint-2)."""
     out = tmp_path / "run"
-    result = launch_one_rank("train_fsdp2.py", "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), *TWO_STEPS,
-                        "--save_steps", "1", env={DISK_FULL_IN_SAVE_ENV: "2"})
+    save = ["--save_steps", "1"] if script == "train_fsdp2.py" else ["--save_strategy", "steps", "--save_steps", "1"]
+    result = launch_one_rank(script, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), *TWO_STEPS, *save,
+                             env={DISK_FULL_IN_SAVE_ENV: "2"})
     assert result.returncode != 0
-    assert_one_message(result, f"error: the disk is full: saving the checkpoint of step 2 to {out}/checkpoints/step_00000002.tmp failed")
-    assert f"the last complete checkpoint is {out}/checkpoints/step_00000001" in result.stderr
-    assert os.listdir(out / "checkpoints") == ["step_00000001"]
+    if script == "train_fsdp2.py":
+        partial, last, left = out / "checkpoints" / "step_00000002.tmp", out / "checkpoints" / "step_00000001", out / "checkpoints"
+    else:
+        partial, last, left = out / "checkpoint-2", out / "checkpoint-1", out
+    assert_one_message(result, f"error: the disk is full: saving the checkpoint of step 2 to {partial} failed")
+    assert f"the last complete checkpoint is {last}" in result.stderr, result.stderr[-3000:]
+    assert not partial.exists() and last.is_dir(), os.listdir(left)
