@@ -357,7 +357,7 @@ class MoETrainer(Trainer):
         # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
         # over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
         loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
-        step_metrics.sums.add(ce_sum=ce_sum, aux=stats.value / (micro_steps * world_size), tokens=inputs["attention_mask"].sum(),
+        step_metrics.sums.add(ce_sum=ce_sum, aux=stats.value.double() / (micro_steps * world_size), tokens=inputs["attention_mask"].sum(),
                               token_slots=inputs["input_ids"].numel(), nonfinite=~torch.isfinite(loss.detach()),
                               tokens_per_expert=stats.tokens_per_expert)
         return (loss, out) if return_outputs else loss

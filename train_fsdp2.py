@@ -283,7 +283,7 @@ for step in range(start_step, total_steps):
         # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
         loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
         loss.backward()
-        sums.add(ce_sum=ce_sum, aux=stats.value / (len(micro_batches) * world_size), tokens=batch["attention_mask"].sum(),
+        sums.add(ce_sum=ce_sum, aux=stats.value.double() / (len(micro_batches) * world_size), tokens=batch["attention_mask"].sum(),
                  token_slots=batch["input_ids"].numel(), nonfinite=~torch.isfinite(loss.detach()),
                  tokens_per_expert=stats.tokens_per_expert)
     inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
