@@ -225,7 +225,7 @@ ensure_default_model(model_name_or_path, data_path)  # the embedded default: mad
 # The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 
-# Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; README says why).
+# Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
                        nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), max_length=max_length,
                        per_device_train_batch_size=args.per_device_train_batch_size,

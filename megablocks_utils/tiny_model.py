@@ -45,8 +45,11 @@ def train_tokenizer(data_path: str, vocab_size: int = VOCAB_SIZE):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: int = 3) -> None:
-    """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears)."""
+def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: int = 3, **config_overrides) -> None:
+    """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears).
+
+    ``config_overrides`` change TINY_CONFIG's sizes (bench/optim_quality.sh makes a mid-size model this way).
+    """
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from .export import hub_state_dict, write_shards
@@ -57,7 +60,7 @@ def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: in
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **TINY_CONFIG,
+        **{**TINY_CONFIG, **config_overrides},
     )
     torch.manual_seed(seed)
     model = MixtralForCausalLM(config)

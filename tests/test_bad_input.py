@@ -1,5 +1,5 @@
 """Bad input to train_fsdp2.py and train_fsdp1.py: one clear message from rank 0, a non-zero exit on every
-rank within seconds, and nothing of an earlier run overwritten (README "Bad input").
+rank within seconds, and nothing of an earlier run overwritten (docs/errors.md).
 
 Most cases are caught before the process group and the model (the checks come before the launch
 check), so they run the script as `python <script>` on one process, forked from this one after the
