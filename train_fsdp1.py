@@ -169,15 +169,8 @@ from megablocks_utils import (  # noqa: E402
     router_stats,
     sync_expert_grads,
 )
-from megablocks_utils.bookkeeping import (  # noqa: E402
-    MetricsLog,
-    StepSums,
-    checkpoints_kept,
-    disk_space_warning,
-    prepare_output_dir,
-    stop_if_finished,
-    summary_line,
-)
+from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
+from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     DISK_FULL_IN_SAVE_ENV,
     SAVE_ERRORS,

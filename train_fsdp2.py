@@ -107,15 +107,8 @@ except InputError as e:
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats  # noqa: E402
-from megablocks_utils.bookkeeping import (  # noqa: E402
-    MetricsLog,
-    StepSums,
-    checkpoints_kept,
-    disk_space_warning,
-    prepare_output_dir,
-    stop_if_finished,
-    summary_line,
-)
+from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
+from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
     checkpoint_step,
