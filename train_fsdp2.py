@@ -7,10 +7,8 @@ Edit the settings below or override any of them from a file (--config run.yaml) 
 (--name value; a true/false setting alone means true). `python train_fsdp2.py --help` lists them all.
 """
 
-import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -68,7 +66,7 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
-from megablocks_utils.data import DataError, read_records  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_records  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_dp_replicate,
@@ -117,8 +115,11 @@ except InputError as e:
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats  # noqa: E402
+from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
+from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
+    checkpoint_step,
     complete_checkpoints,
     load_checkpoint,
     resolve_resume,
@@ -129,8 +130,8 @@ from megablocks_utils.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
-from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
-from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
+from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
 from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
@@ -165,6 +166,7 @@ metrics_path = os.path.join(output_dir, "metrics.jsonl")
 checkpoint_root = os.path.join(output_dir, "checkpoints")
 try:
     resume_from = resolve_resume(resume, checkpoint_root)
+    resume_step = checkpoint_step(resume_from) if resume_from else 0
 except CheckpointError as e:
     fail(e)
 if resume == "auto" and resume_from is None and not overwrite_output_dir and {"summary.json", "final/"} & set(earlier_results):
@@ -202,6 +204,11 @@ with stop_together():
         eval_set = pack_dataset(eval_set, max_length, seed) if eval_set is not None else None
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
+total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
+stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a requeued --resume auto after the end: exit 0
+space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
+if master and space:
+    print(space, flush=True)
 # The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
@@ -210,7 +217,6 @@ with stop_together():
                              attn_implementation=attn_implementation)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
-total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
@@ -262,56 +268,34 @@ if resume_from:
 
 
 def checkpoint(step):
-    save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
-                    {"samples_per_step": batches.per_step, "packing": packing, "seed": seed}, save_total_limit, model_name_or_path)
+    try:
+        save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
+                        {"samples_per_step": batches.per_step, "packing": packing, "seed": seed}, save_total_limit, model_name_or_path)
+    except CheckpointError as e:  # e.g. a full disk: every rank stops here, the partial checkpoint removed
+        if master:
+            progress.close()  # the message on a line of its own
+        fail(e)
 
-
-def where_to_continue(bad_step):
-    """For the stop message: the newest complete checkpoint before the bad step, and how to go on from it."""
-    # (one of a later step is another run's, left there when this one resumed from an earlier checkpoint)
-    found = [c for c in complete_checkpoints(checkpoint_root) if int(os.path.basename(c)[5:]) < bad_step]
-    if not found:
-        return "no checkpoint was saved before it (--save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
-    return (f"the last good checkpoint is {found[-1]}; continue with --resume {found[-1]} --nonfinite skip "
-            "(a resumed run repeats the same batches, so this step may fail again without skip)")
-
-
-n_active = active_params(model, config, list(experts))
-peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
-world_group = mesh.world.get_group()
 
 # ----------------------------------------------------------------------------- train
+kept = None
 if master:
-    if os.path.isdir(output_dir) and overwrite_output_dir and not resume_from:
-        for name in RESULTS:
-            path = os.path.join(output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
-    os.makedirs(output_dir, exist_ok=True)
-    if os.path.exists(metrics_path):  # keep the records up to the resumed step, drop any later ones
-        with open(metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    with open(os.path.join(output_dir, "settings.json"), "w") as f:
-        json.dump(settings, f, indent=1)
-    metrics = JsonlWriter(metrics_path)
+    kept = prepare_output_dir(output_dir, RESULTS, overwrite_output_dir and not resume_from, start_step, settings)
     board = TensorBoardWriter(logging_dir or os.path.join(output_dir, "runs"), start_step) if report_to == "tensorboard" else None
     from tqdm import tqdm
 
     progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 dist.barrier()
+log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size, samples_per_step=batches.per_step,
+                 n_active=active_params(model, config, list(experts)), config=config,
+                 peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
+world_group = mesh.world.get_group()
 
 run_start = time.perf_counter()
-total_tokens_seen = 0
-total_slots_real = total_slots = 0.0
-record = last_eval_loss = None
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    # Per-step accumulators: [ce sum, aux, real tokens, token slots, non-finite micro-batch losses, squared
-    # attention spans] (summed over ranks below).
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
-    tokens_per_expert = 0
+    sums = StepSums(device)  # summed over ranks below
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
@@ -325,22 +309,20 @@ for step in range(start_step, total_steps):
         # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
         loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
         loss.backward()
-        sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                             batch["real"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
-                             (~torch.isfinite(loss.detach())).double(), torch.tensor(batch["attention_sq"], device=device).double()])
-        tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
+        sums.add(ce_sum=ce_sum, aux=stats.value.double() / (len(micro_batches) * world_size), tokens=batch["real"].sum(),
+                 token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"], nonfinite=~torch.isfinite(loss.detach()),
+                 tokens_per_expert=stats.tokens_per_expert)
     inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     # Before the optimizer step, so every rank decides on the same global loss and norm.
-    dist.all_reduce(sums, group=world_group)
-    ce_loss, aux_loss, real_tokens, slots, nonfinite_losses, attention_sq = (float(x) for x in sums)
-    ce_loss /= step_label_tokens
+    sums.all_reduce(world_group)
     try:
-        skipped = nonfinite_steps.check(step + 1, ce_loss + aux_coef * aux_loss, float(grad_norm), int(nonfinite_losses))
+        skipped = nonfinite_steps.check(step + 1, sums.ce_sum / step_label_tokens + aux_coef * sums.aux, float(grad_norm), int(sums.nonfinite))
     except NonFiniteStep as e:
         if master:
             progress.close()  # the message on a line of its own
-        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
+        saved = [(int(os.path.basename(c)[5:]), c) for c in complete_checkpoints(checkpoint_root)]
+        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
     if not skipped:
         optimizer.step()
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
@@ -348,34 +330,12 @@ for step in range(start_step, total_steps):
     if use_cuda:
         torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
     step_time = time.perf_counter() - step_start
-    total_tokens_seen += real_tokens
-    total_slots_real, total_slots = total_slots_real + real_tokens, total_slots + slots
-    flops = flops_per_token(n_active, config, attention_sq / slots) * slots  # the attention term: sum of spans^2
-    record = {
-        "step": step + 1,
-        "loss": ce_loss + aux_coef * aux_loss,
-        "ce_loss": ce_loss,
-        "aux_loss": aux_loss,
-        "lr": float(scheduler.get_last_lr()[0]),
-        "grad_norm": float(grad_norm),
-        "skipped": skipped,
-        "tokens": int(real_tokens),
-        "token_slots": int(slots),
-        "tokens_per_second": real_tokens / step_time,
-        "tokens_per_second_per_device": real_tokens / step_time / world_size,
-        "tflops_per_device": flops / step_time / world_size / 1e12,
-        "mfu": flops / step_time / world_size / peak_flops if peak_flops else None,
-        "step_time_s": step_time,
-        **peak_memory_gb(device),
-        "tokens_per_expert_max": tokens_per_expert.max(dim=1).values.tolist(),
-        "tokens_per_expert_mean": tokens_per_expert.mean(dim=1).tolist(),
-        "tokens_per_expert": tokens_per_expert.long().tolist(),
-    }
+    evaluated = None  # the eval loss (after the step's timing): every eval_steps steps and at the end
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
-        record["eval_loss"] = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group)
-        last_eval_loss = record["eval_loss"]
+        evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group)
+    record = log.record(step + 1, sums, label_tokens=step_label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                        skipped=skipped, step_time=step_time, eval_loss=evaluated)  # written to metrics.jsonl by rank 0
     if master:
-        metrics.write(record)
         if board:
             board.write(record)
         progress.update(1)
@@ -397,38 +357,21 @@ for step in range(start_step, total_steps):
 runtime = time.perf_counter() - run_start
 
 # ----------------------------------------------------------------------------- summary and export
-memory = peak_memory_gb(device)
-memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
 local = [p.to_local() for p in model.parameters()]
 state_sizes = torch.tensor([sum(t.numel() for t in local), sum(2 * t.numel() * t.element_size() for t in local) + state_bytes(optimizer)],
                            dtype=torch.float64, device=device)
 dist.all_reduce(state_sizes)
-dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
-summary = {
-    "train_runtime": runtime,
-    "train_steps_per_second": (total_steps - start_step) / runtime,
-    "train_tokens_per_second": total_tokens_seen / runtime,
-    "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
-    **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
-    "final_loss": record["loss"] if record else None,
-    "eval_loss": last_eval_loss,
-    "token_fill": total_slots_real / total_slots if total_slots else None,  # real tokens per computed position
-    "skipped_steps": nonfinite_steps.skipped,
-    "bytes_per_param": float(state_sizes[1] / state_sizes[0]),
-    "optim": optim,
-    "world_size": world_size,
-    "dp": mesh.dp_size,
-    "ep": mesh.ep_size,
-}
+summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipped_steps=nonfinite_steps.skipped,
+                      dp=mesh.dp_size, ep=mesh.ep_size, bytes_per_param=float(state_sizes[1] / state_sizes[0]), optim=optim)
 export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     progress.close()
-    metrics.close()
+    log.close()
     if board:
         board.close()
     write_summary(os.path.join(output_dir, "summary.json"), summary)
-    print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
+    print(summary_line(summary), flush=True)
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
