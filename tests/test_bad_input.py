@@ -153,12 +153,12 @@ def break_expert(expert):
 
 # name: (make the arguments, what the message says). Caught before the process group: one plain process.
 EARLY_CASES = {
-    "data file missing": (lambda tmp, model: ["--data_path", str(tmp / "nope.json")], "nope.json' does not exist; set data_path to an alpaca-format JSON file"),
+    "data file missing": (lambda tmp, model: ["--data_path", str(tmp / "nope.json")], "nope.json' does not exist; set data_path to a JSON list, JSONL, parquet, or a directory written by datasets' save_to_disk"),
     "data not JSON": (data_file("{oops"), "data.json is not valid JSON (Expecting property name"),
     "data not a list": (data_file('{"instruction": "a", "output": "b"}'), "data.json holds an object, not a list; wrap the records in [ ... ]"),
     "record without instruction": (data_file('[{"instruction": "a", "output": "b"}, {"output": "c"}]'), "record 1 has no 'instruction' field; every record needs instruction and output"),
     "field not a string": (data_file('[{"instruction": "a", "input": 3, "output": "b"}]'), "record 0 field 'input' is a number, not a string; fix the record"),
-    "no records": (data_file("[]"), "data.json holds no records; add alpaca records to train on"),
+    "no records": (data_file("[]"), "data.json holds no records; add records to train on"),
     "model dir missing": (lambda tmp, model: ["--model_name_or_path", str(tmp / "nope")], "nope' does not exist; set model_name_or_path to a local Hugging Face model directory"),
     "no config.json": (model_copy(remove("config.json")), "has no config.json, so it is not a Hugging Face model directory"),
     "no safetensors": (model_copy(remove("*.safetensors", "*.index.json")), "no model.safetensors.index.json or model.safetensors in"),
@@ -281,7 +281,7 @@ def test_every_sample_longer_than_max_length(tiny_model_dir, tmp_path, script):
     earlier_run(out)
     result = launch(script, 1, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
                     "--overwrite_output_dir", "true", "--max_length", "8")
-    assert_one_message(result, "is longer than max_length=8 before its response starts (shortest prompt:")
+    assert_one_message(result, "has a label token within max_length=8 (every prompt is longer, or every record is empty)")
     assert "raise max_length" in result.stderr
     assert_earlier_run_intact(out)
 
