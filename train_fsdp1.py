@@ -193,6 +193,7 @@ from megablocks_utils import (  # noqa: E402
     load_model,
     moe_blocks,
     router_stats,
+    spec_for,
     sync_expert_grads,
 )
 from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
@@ -287,7 +288,7 @@ with stop_together():
     mesh = build_mesh(ep, device.type, None, timeout=args.ddp_timeout_delta, shard_experts=False)
     model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend)
 config = model.config
-aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
+aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
 experts = expert_parameters(model)
 dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e in experts))
 world_group = mesh.world.get_group()

@@ -114,7 +114,7 @@ except InputError as e:
 
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
-from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats  # noqa: E402
+from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats, spec_for  # noqa: E402
 from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
 from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
@@ -216,7 +216,7 @@ with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend,
                              attn_implementation=attn_implementation)
 config = model.config
-aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
+aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "

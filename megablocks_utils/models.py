@@ -10,6 +10,8 @@ back: one tensor per expert and projection for most models, one stacked tensor p
 
 The load-balancing loss of every row is transformers' ``load_balancing_loss_func`` (the same function,
 copied into each model file): softmax of the full router logits, top-k counts, padding masked, times E.
+DeepSeek-V3 and GLM-4.5 (``aux_coef_attr=None``) train without one: their router carries a per-expert
+score-correction bias instead (aux-loss-free balancing, ``balance.py``).
 """
 
 import re
@@ -26,13 +28,24 @@ class MoESpec:
     experts_attr: str = "experts"  # attribute of the MoE block that holds the fused experts
     # "softmax_topk": softmax (fp32) over all experts, then top-k (Mixtral, Qwen, OLMoE);
     # "topk_softmax": top-k of the logits, then softmax over those k (Granite; the same as
-    # "softmax_topk" with renormalisation, computed in the other order).
+    # "softmax_topk" with renormalisation, computed in the other order);
+    # "sigmoid_group_topk": sigmoid scores (fp32), the best topk_group of n_group expert groups (a group
+    # scores the sum of its 2 best), top-k inside them, the weights times routed_scaling_factor (DeepSeek-V3).
     router: str = "softmax_topk"
-    renormalize: bool | str = False  # softmax_topk only: renormalise the top-k weights (bool, or a config field)
+    renormalize: bool | str = False  # renormalise the top-k weights (bool, or a config field); not topk_softmax
+    # sigmoid_group_topk: config fields of the group count, the groups kept per token, and the weight scale.
+    num_groups_attr: str | None = None
+    topk_groups_attr: str | None = None
+    scaling_attr: str | None = None
+    # The router's own per-expert buffer added to the scores when choosing experts, never to the weights
+    # (DeepSeek-V3's e_score_correction_bias); aux-loss-free balancing updates it (balance.py).
+    score_bias: str | None = None
     num_experts_attr: str = "num_local_experts"  # config field: number of experts
     top_k_attr: str = "num_experts_per_tok"  # config field: experts per token
     intermediate_attr: str = "intermediate_size"  # config field: expert hidden width
-    aux_coef_attr: str = "router_aux_loss_coef"  # config field: load-balancing loss coefficient
+    aux_coef_attr: str | None = "router_aux_loss_coef"  # config field: load-balancing loss coefficient; None: no aux loss
+    # Config field: the first N decoder layers have a dense MLP, no MoE block (DeepSeek-V3's first_k_dense_replace).
+    dense_layers_attr: str | None = None
     # An always-on dense MLP inside the MoE block, added to the experts' output, optionally scaled by
     # sigmoid(gate(x)) with gate = Linear(H, 1) (Qwen2-MoE). Kept as transformers' own modules.
     shared_expert_attr: str | None = None
@@ -40,6 +53,10 @@ class MoESpec:
     # Config field holding the width of an always-on dense MLP in every MoE layer: Qwen2-MoE's shared
     # expert (inside the block, above), GraniteMoeShared's shared_mlp (on the decoder layer; 0 = none).
     shared_intermediate_attr: str | None = None
+    shared_count_attr: str | None = None  # config field multiplying that width (DeepSeek's n_shared_experts)
+    # "mla": DeepSeek's multi-head latent attention (low-rank q and kv projections); dense, FSDP shards it
+    # like any attention, only the parameter count (memory.py) needs to know.
+    attention: str = "standard"
     # RMSNorm on queries and keys: "per_head" (Qwen3: one weight of head_dim, shared by the heads) or
     # "all_heads" (OLMoE: over the whole q and k projections).
     qk_norm: str | None = None
@@ -50,6 +67,21 @@ class MoESpec:
     hub_up: str | None = None  # per expert: experts.{e}.<hub_up>.weight   [I, H]
     hub_down: str | None = None  # per expert: experts.{e}.<hub_down>.weight [H, I]
     hub_stacked: tuple[str, str] | None = None  # or all experts in one tensor: (gate_up [E, 2I, H], down [E, H, I])
+
+    def aux_loss_coef(self, config) -> float:
+        """The config's load-balancing loss coefficient; 0 for a model trained without one."""
+        return float(getattr(config, self.aux_coef_attr, 0.0) or 0.0) if self.aux_coef_attr else 0.0
+
+    def router_options(self, config) -> dict:
+        """Keyword arguments of ``moe_layer.TopKRouter`` beyond the common ones, from the config."""
+        if self.router != "sigmoid_group_topk":
+            return dict(score_bias=self.score_bias)
+        return dict(
+            num_groups=getattr(config, self.num_groups_attr) or 1,
+            topk_groups=getattr(config, self.topk_groups_attr) or 1,
+            scaling=float(getattr(config, self.scaling_attr)),
+            score_bias=self.score_bias,
+        )
 
     def fused_names(self, layer: int) -> tuple[str, str]:
         """transformers 5 names of one layer's (gate_up_proj, down_proj)."""
@@ -103,6 +135,21 @@ _GRANITE = dict(
     hub_stacked=("input_linear.weight", "output_linear.weight"),
 )
 
+_DEEPSEEK_STYLE = dict(  # DeepSeek-V3 and GLM-4.5 share the MoE block, its names and hub layout
+    **{k: v for k, v in _QWEN_STYLE.items() if k != "num_experts_attr"},
+    router="sigmoid_group_topk",
+    num_groups_attr="n_group",
+    topk_groups_attr="topk_group",
+    scaling_attr="routed_scaling_factor",
+    score_bias="e_score_correction_bias",
+    intermediate_attr="moe_intermediate_size",
+    aux_coef_attr=None,
+    dense_layers_attr="first_k_dense_replace",
+    shared_expert_attr="shared_experts",
+    shared_intermediate_attr="moe_intermediate_size",
+    shared_count_attr="n_shared_experts",
+)
+
 MOE_SPECS = {
     "mixtral": MoESpec(
         model_type="mixtral",
@@ -127,6 +174,10 @@ MOE_SPECS = {
     # GraniteMoeShared's shared MLP sits on the decoder layer (shared_mlp), outside the MoE block: dense.
     "granitemoe": MoESpec(model_type="granitemoe", **_GRANITE),
     "granitemoeshared": MoESpec(model_type="granitemoeshared", **_GRANITE, shared_intermediate_attr="shared_intermediate_size"),
+    # MLA attention; the MTP layers of hub checkpoints (past num_hidden_layers) are not part of the model.
+    "deepseek_v3": MoESpec(model_type="deepseek_v3", **_DEEPSEEK_STYLE, attention="mla"),
+    # GLM-4.5: DeepSeek-V3's MoE block with standard attention (qk norm per head if use_qk_norm).
+    "glm4_moe": MoESpec(model_type="glm4_moe", **_DEEPSEEK_STYLE),
 }
 
 

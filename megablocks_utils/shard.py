@@ -12,7 +12,7 @@ from .loading import Checkpoint, expert_layout, load_local_experts
 from .megablocks_backend import MegablocksExperts, check_megablocks
 from .mesh import MoEMesh, build_mesh
 from .models import MoESpec, decoder_layers, spec_for
-from .moe_layer import ExpertParallelMoE
+from .moe_layer import ExpertParallelMoE, TopKRouter
 
 BACKENDS = ("native", "megablocks")
 
@@ -58,6 +58,9 @@ def _as_expert_dtensor(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
 def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> None:
     """Allocate the meta skeleton's dense tensors on ``device`` and fill them from the checkpoint."""
     model.to_empty(device=device)
+    for module in model.modules():  # a checkpoint without the routers' selection bias means zeros
+        if isinstance(module, TopKRouter) and module.bias_name is not None:
+            module.score_bias.zero_()
     # Non-persistent buffers (rotary inv_freq) are not in checkpoints; transformers computes them
     # in its per-module init, the same routine from_pretrained runs after building on meta.
     for module in model.modules():
@@ -149,9 +152,11 @@ def shard_moe(
                 )
             new = ExpertParallelMoE(
                 config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
-                router_attr=spec.router_attr, router_mode=spec.router, experts=experts,
+                router_attr=spec.router_attr, router_mode=spec.router, router_options=spec.router_options(config),
+                experts=experts,
             )
         new.to(dtype)
+        new.top_k_router.keep_bias_fp32()
         if spec.shared_expert_attr is not None:  # transformers' own modules, weights and all
             gate = getattr(old, spec.shared_gate_attr) if spec.shared_gate_attr else None
             new.add_shared_expert(spec.shared_expert_attr, getattr(old, spec.shared_expert_attr), spec.shared_gate_attr, gate)
@@ -186,6 +191,8 @@ def shard_moe(
                 gate_up.copy_(old_experts.gate_up_proj[mine.start : mine.stop])
                 down.copy_(old_experts.down_proj[mine.start : mine.stop])
                 new.top_k_router.weight.copy_(getattr(old, spec.router_attr).weight)
+                if spec.score_bias is not None:
+                    new.top_k_router.score_bias.copy_(getattr(getattr(old, spec.router_attr), spec.score_bias))
         new.experts.set_weights(_as_expert_dtensor(gate_up, mesh), _as_expert_dtensor(down, mesh))
     if ckpt is not None:
         ckpt.close()

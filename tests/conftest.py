@@ -36,6 +36,17 @@ TINY_EXTRAS = {
         num_local_experts=4, shared_intermediate_size=24, embedding_multiplier=2.0, logits_scaling=1.5,
         residual_multiplier=0.7, attention_multiplier=0.2,
     ),
+    # 8 experts in 2 groups, 1 group kept per token; layer 0 dense; tiny MLA; no aux loss (its coef is ignored).
+    "deepseek_v3": dict(
+        n_routed_experts=8, n_group=2, topk_group=1, moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
+        num_hidden_layers=3, routed_scaling_factor=2.5, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=8, n_group=2, topk_group=1, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+        num_hidden_layers=3, routed_scaling_factor=1.5, norm_topk_prob=False, use_qk_norm=True, head_dim=16,
+        attention_bias=True,
+    ),
 }
 ARCHITECTURES = sorted(TINY_EXTRAS)
 
