@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .mesh import MoEMesh
 from .models import MoESpec, decoder_layers, spec_for
-from .moe_layer import ExpertParallelMoE
+from .moe_layer import ExpertParallelMoE, TopKRouter
 from .shard import local_expert_weights
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -90,6 +90,10 @@ def hub_state_dict(model: nn.Module) -> dict:
     return out
 
 
+def _is_score_bias(name: str, spec: MoESpec) -> bool:
+    return spec.score_bias is not None and name.endswith(f".{spec.block_attr}.{spec.router_attr}.{spec.score_bias}")
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -127,6 +131,9 @@ def export_hf(
         full = _full(p.detach())
         if rank == 0:
             dense[dense_hub_name(name, spec)] = cast(full).cpu()
+    if rank == 0:  # the routers' own selection bias (DeepSeek-V3), kept in fp32 as transformers keeps it;
+        # a bias our balancing added to another model (TopKRouter.ADDED_BIAS) has no place in its checkpoint
+        dense.update({name: _full(b.detach()).float().cpu() for name, b in model.named_buffers() if _is_score_bias(name, spec)})
 
     layers = decoder_layers(model)
     if spec.hub_stacked is not None:
@@ -241,7 +248,9 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
     os.makedirs(tmp_dir)
     layers = sorted({int(n.split(".")[2]) for n in shapes if expert_suffix in n})
     n_files = 1 + len(layers)
-    dense = read([n for n in shapes if expert_suffix not in n])
+    # Not exported: the selection bias that load_balance_coeff added to a model that has none of its own.
+    added_bias = f".{TopKRouter.ADDED_BIAS}"
+    dense = read([n for n in shapes if expert_suffix not in n and not n.endswith(added_bias)])
     dense = {dense_hub_name(n, spec): t for n, t in dense.items()}
     save_file(dense, os.path.join(tmp_dir, shard_file_name(0, n_files)), metadata={"format": "pt"})
     weight_map = {n: shard_file_name(0, n_files) for n in dense}

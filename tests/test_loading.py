@@ -49,7 +49,7 @@ def check_local_experts(rank, world, ep_size, path, layout):
         model, mesh = load_model(path, ep_size, device="cpu")
     spec = spec_for(model.config)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    local = 4 // ep_size
+    local = getattr(model.config, spec.num_experts_attr) // ep_size
     mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
 
     expert_reads = [(n, rows) for n, rows in reads if spec.is_expert_name(n)]
@@ -74,6 +74,8 @@ def check_local_experts(rank, world, ep_size, path, layout):
         torch.testing.assert_close(got.experts.gate_up_proj.to_local(), ref.experts.gate_up_proj[mine.start : mine.stop], rtol=0, atol=0)
         torch.testing.assert_close(got.experts.down_proj.to_local(), ref.experts.down_proj[mine.start : mine.stop], rtol=0, atol=0)
         torch.testing.assert_close(got.top_k_router.weight, getattr(ref, spec.router_attr).weight, rtol=0, atol=0)
+        if spec.score_bias is not None:
+            torch.testing.assert_close(got.top_k_router.score_bias, getattr(getattr(ref, spec.router_attr), spec.score_bias), rtol=0, atol=0)
     assert moe_layers == 2
     ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
@@ -97,12 +99,15 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
     for arch in ARCHITECTURES:
         torch.manual_seed(3)
         model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
+        for name, buf in model.named_buffers():  # a trained selection bias (DeepSeek-V3), not the zeros of init
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.05)
         paths[arch] = str(tmp_path / arch)
         model.save_pretrained(paths[arch], max_shard_size="100KB")
         saved = json.load(open(os.path.join(paths[arch], "model.safetensors.index.json")))["weight_map"]
         assert len(set(saved.values())) >= 2, f"{arch}: the test checkpoint must span several files"
         assert sorted(saved) == sorted(hub_state_dict(model)), f"{arch}: hub names differ from transformers'"
-        assert check_model_dir(paths[arch])[0] == 4, arch
+        assert check_model_dir(paths[arch])[0] == getattr(model.config, spec_for(model.config).num_experts_attr), arch
     run_ranks(check_every_architecture_loads, 2, paths)
 
 
