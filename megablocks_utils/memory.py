@@ -174,6 +174,7 @@ class _Shape:
     shared_inter: int  # always-on MLP next to the experts in MoE layers (0: none)
     shared_gate: bool  # Qwen2-MoE: sigmoid(Linear(H, 1)) on the shared expert
     qk_norm: str | None
+    mla: tuple | None  # DeepSeek's latent attention: (q_lora_rank or None, kv_lora_rank, rope dim, nope dim, v dim)
     qkv_bias: bool
     o_bias: bool
     tied: bool
@@ -186,14 +187,27 @@ def _shape(config) -> _Shape:
     # Qwen-style configs can make some layers dense: listed in mlp_only_layers, or off the decoder_sparse_step.
     mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    moe_layers = tuple(i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+    # DeepSeek-style configs make the first N layers dense (spec.dense_layers_attr).
+    first_moe = (getattr(config, spec.dense_layers_attr, 0) or 0) if spec.dense_layers_attr else 0
+    moe_layers = tuple(
+        i for i in range(first_moe, layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+    )
     shared_inter = getattr(config, spec.shared_intermediate_attr, 0) or 0 if spec.shared_intermediate_attr else 0
+    if spec.shared_count_attr:  # DeepSeek: n_shared_experts experts of moe_intermediate_size, as one MLP
+        shared_inter *= getattr(config, spec.shared_count_attr, 1) or 0
+    mla = None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if spec.attention == "mla":
+        mla = (config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim)
+        head_dim, kv_heads = config.qk_rope_head_dim + config.qk_nope_head_dim, heads  # for the activation estimate
+    attention_bias = bool(getattr(config, "attention_bias", False))
     return _Shape(
         hidden=hidden,
         layers=layers,
         heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab=config.vocab_size,
         num_experts=num_experts,
         top_k=getattr(config, spec.top_k_attr),
@@ -202,20 +216,35 @@ def _shape(config) -> _Shape:
         dense_inter=getattr(config, "intermediate_size", 0),
         shared_inter=shared_inter,
         shared_gate=spec.shared_gate_attr is not None and shared_inter > 0,
-        qk_norm=spec.qk_norm,
-        # Qwen2-MoE: qkv_bias on q, k, v; the others: attention_bias on all four projections.
-        qkv_bias=bool(getattr(config, "qkv_bias", getattr(config, "attention_bias", False))),
-        o_bias=bool(getattr(config, "attention_bias", False)),
+        qk_norm=spec.qk_norm or ("per_head" if getattr(config, "use_qk_norm", False) else None),  # GLM-4.5's switch
+        mla=mla,
+        # Qwen2-MoE: qkv_bias on q, k, v; the others: attention_bias on all four projections (GLM-4.5: q, k, v).
+        qkv_bias=bool(getattr(config, "qkv_bias", attention_bias)),
+        o_bias=attention_bias and spec.o_proj_bias,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
     )
 
 
 def _attention_params(s: _Shape) -> int:
+    if s.mla is not None:
+        return _mla_params(s)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     weights = s.hidden * q + 2 * s.hidden * kv + q * s.hidden
     biases = (q + 2 * kv if s.qkv_bias else 0) + (s.hidden if s.o_bias else 0)
     qk_norm = {"per_head": 2 * s.head_dim, "all_heads": q + kv, None: 0}[s.qk_norm]
     return weights + biases + qk_norm + 2 * s.hidden  # + input and post-attention RMSNorm
+
+
+def _mla_params(s: _Shape) -> int:
+    """DeepSeek's latent attention: q through a rank-q_lora bottleneck (or one projection), k and v through
+    one shared rank-kv_lora latent plus a rope key; attention_bias on the down projections and o_proj."""
+    q_lora, kv_lora, rope, nope, v = s.mla
+    bias = s.o_bias
+    qk = s.heads * (rope + nope)
+    q = s.hidden * qk if q_lora is None else s.hidden * q_lora + (q_lora if bias else 0) + q_lora + q_lora * qk
+    kv = s.hidden * (kv_lora + rope) + ((kv_lora + rope) if bias else 0) + kv_lora + kv_lora * s.heads * (nope + v)
+    o = s.heads * v * s.hidden + (s.hidden if bias else 0)
+    return q + kv + o + 2 * s.hidden  # + input and post-attention RMSNorm
 
 
 def count_params(config) -> ParamCounts:

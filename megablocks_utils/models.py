@@ -57,6 +57,7 @@ class MoESpec:
     # "mla": DeepSeek's multi-head latent attention (low-rank q and kv projections); dense, FSDP shards it
     # like any attention, only the parameter count (memory.py) needs to know.
     attention: str = "standard"
+    o_proj_bias: bool = True  # config.attention_bias biases o_proj too (GLM-4.5: only q, k and v)
     # RMSNorm on queries and keys: "per_head" (Qwen3: one weight of head_dim, shared by the heads) or
     # "all_heads" (OLMoE: over the whole q and k projections).
     qk_norm: str | None = None
@@ -177,7 +178,7 @@ MOE_SPECS = {
     # MLA attention; the MTP layers of hub checkpoints (past num_hidden_layers) are not part of the model.
     "deepseek_v3": MoESpec(model_type="deepseek_v3", **_DEEPSEEK_STYLE, attention="mla"),
     # GLM-4.5: DeepSeek-V3's MoE block with standard attention (qk norm per head if use_qk_norm).
-    "glm4_moe": MoESpec(model_type="glm4_moe", **_DEEPSEEK_STYLE),
+    "glm4_moe": MoESpec(model_type="glm4_moe", **_DEEPSEEK_STYLE, o_proj_bias=False),
 }
 
 

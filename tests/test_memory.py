@@ -54,6 +54,8 @@ VARIANTS = [(arch, {}) for arch in ARCHITECTURES] + [
     ("olmoe", dict(attention_bias=True, tie_word_embeddings=True)),
     ("granitemoe", dict(attention_bias=True, num_key_value_heads=4)),
     ("mixtral", dict(head_dim=8)),
+    ("deepseek_v3", dict(q_lora_rank=None, attention_bias=True, first_k_dense_replace=0)),
+    ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, n_shared_experts=2)),
 ]
 
 
