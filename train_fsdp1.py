@@ -35,6 +35,7 @@ ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
+load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
 max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
@@ -216,6 +217,7 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
     sharding_facts,
     weight_checksums,
 )
+from megablocks_utils.balance import add_routing_bias, routing_bias_exported, update_routing_bias  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
@@ -289,6 +291,8 @@ with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend)
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
+if load_balance_coeff > 0:  # before Trainer wraps the model and loads a checkpoint (megablocks_utils/balance.py)
+    add_routing_bias(model)
 experts = expert_parameters(model)
 dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e in experts))
 world_group = mesh.world.get_group()
@@ -426,7 +430,13 @@ class MoETrainer(Trainer):
             if resume is not None:  # see init_optimizer_state: without it the checkpoint's optimizer state is not loaded
                 init_optimizer_state(optimizer)
             optimizer.register_step_pre_hook(self.sync_and_clip)
+            optimizer.register_step_post_hook(self.balance_routing)
         return optimizer
+
+    def balance_routing(self, optimizer, hook_args, hook_kwargs):
+        """Right after each optimizer step: the step's global expert load moves the routing bias (balance.py)."""
+        if not step_metrics.skipped:
+            update_routing_bias(self.model, step_metrics.sums.tokens_per_expert, load_balance_coeff)
 
     def sync_and_clip(self, optimizer, hook_args, hook_kwargs):
         """Right before each optimizer step, on every rank: expert gradients averaged over dp, then the
@@ -547,4 +557,7 @@ if master:
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(args.output_dir, 'final')}", flush=True)
+    if load_balance_coeff > 0 and not routing_bias_exported(model):
+        print(f"note: {config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
+              "was not exported (the training checkpoints keep it); the exported model routes without it", flush=True)
 dist.destroy_process_group()

@@ -52,6 +52,7 @@ dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "b
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
+load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
 save_steps = 0  # write a sharded checkpoint (DCP) every N steps to output_dir/checkpoints; 0 = off
 save_total_limit = 2  # keep only the newest N checkpoints
 resume = ""  # "auto" = the newest complete checkpoint in output_dir/checkpoints, or a checkpoint dir
@@ -128,6 +129,7 @@ from megablocks_utils.checkpoint import (  # noqa: E402
 from megablocks_utils.data import GlobalBatches, build_dataset, collate, tokenize_records  # noqa: E402
 from megablocks_utils.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.packing import pack_dataset  # noqa: E402
+from megablocks_utils.balance import add_routing_bias, routing_bias_exported, update_routing_bias  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
@@ -217,6 +219,8 @@ with stop_together():
                              attn_implementation=attn_implementation)
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
+if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bias (megablocks_utils/balance.py)
+    add_routing_bias(model)
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
@@ -325,6 +329,8 @@ for step in range(start_step, total_steps):
         fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
     if not skipped:
         optimizer.step()
+        # The step's global expert load (the same on every rank) moves the routing bias toward balance.
+        update_routing_bias(model, sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
     optimizer.zero_grad(set_to_none=True)
     if use_cuda:
@@ -375,4 +381,7 @@ if master:
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
+    if load_balance_coeff > 0 and not routing_bias_exported(model):
+        print(f"note: {config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
+              "was not exported (the training checkpoints keep it); the exported model routes without it", flush=True)
 dist.destroy_process_group()

@@ -118,6 +118,7 @@ RULES = {
     "adam_epsilon": POSITIVE,
     "max_grad_norm": NON_NEGATIVE,
     "router_aux_loss_coef": Number(low=0, special=-1, special_means="the model config's"),
+    "load_balance_coeff": NON_NEGATIVE,
     # non-finite steps, checkpoints, logging
     "nonfinite": Choice(MODES),
     "max_consecutive_skips": NON_NEGATIVE,
