@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from conftest import ROOT, read_jsonl, run_script, tiny_moe_config
 from test_train_fsdp1 import accelerate_launch, assert_same_steps, readme_command
@@ -28,16 +29,17 @@ def make_model_dir(path: str, data_path: str, model_type: str) -> None:
     tokenizer.save_pretrained(path)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
-def test_model_trains_the_same_in_both_scripts(tmp_path, model_type):
+@pytest.mark.parametrize("model_type,extra", [("qwen2_moe", []), ("deepseek_v3", ["--load_balance_coeff", "0.01"])])
+def test_model_trains_the_same_in_both_scripts(tmp_path, model_type, extra):
     """train_fsdp1 wraps the model's own decoder layer (not accelerate.yaml's Mixtral class) and equals
     train_fsdp2: Qwen2-MoE (shared expert, a dense layer between MoE layers) and DeepSeek-V3 (sigmoid
-    group-limited routing, no aux loss, MLA, a dense first layer; GLM-4.5 shares its MoE block)."""
+    group-limited routing, no aux loss, MLA, a dense first layer; GLM-4.5 shares its MoE block), whose
+    routing bias both scripts update after each optimizer step (load_balance_coeff)."""
     with open(os.path.join(ROOT, "data.json")) as f:
         (tmp_path / "data.json").write_text(json.dumps(json.load(f)[:40]))
     model_dir = str(tmp_path / f"tiny-{model_type}")
     make_model_dir(model_dir, str(tmp_path / "data.json"), model_type)
-    model = ["--model_name_or_path", model_dir, "--data_path", str(tmp_path / "data.json"), "--ep_size", "2"]
+    model = ["--model_name_or_path", model_dir, "--data_path", str(tmp_path / "data.json"), "--ep_size", "2", *extra]
     fsdp2 = run_script("train_fsdp2.py", 2, *model, "--output_dir", str(tmp_path / "fsdp2"), *STEPS)
     assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
     accelerate_launch(readme_command(), *model, "--output_dir", str(tmp_path / "fsdp1"), *STEPS)
@@ -45,3 +47,22 @@ def test_model_trains_the_same_in_both_scripts(tmp_path, model_type):
     fsdp2_records = read_jsonl(str(tmp_path / "fsdp2" / "metrics.jsonl"))
     assert len(fsdp2_records) == 2
     assert_same_steps(fsdp1_records, fsdp2_records, rel=1e-5)
+    if extra:  # both moved DeepSeek-V3's own bias the same way, and exported it
+        fsdp1_bias, fsdp2_bias = (score_biases(str(tmp_path / run / "final")) for run in ("fsdp1", "fsdp2"))
+        assert sorted(fsdp2_bias) == ["model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.gate.e_score_correction_bias"]
+        for name, bias in fsdp2_bias.items():
+            assert bias.abs().max() > 0 and bias.dtype == torch.float32, name  # the sum of 2 steps of +-0.01
+            assert torch.equal(bias, fsdp1_bias[name]), name
+
+
+def score_biases(model_dir: str) -> dict:
+    from safetensors import safe_open
+
+    with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    out = {}
+    for name, file in weight_map.items():
+        if name.endswith("e_score_correction_bias"):
+            with safe_open(os.path.join(model_dir, file), "pt") as f:
+                out[name] = f.get_tensor(name)
+    return out
