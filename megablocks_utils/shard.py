@@ -1,6 +1,7 @@
 """``shard_moe``: turn a transformers MoE model into an expert-parallel one, loading only local experts."""
 
 import os
+import re
 from datetime import timedelta
 
 import torch
@@ -69,6 +70,8 @@ def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device
     targets = dict(model.named_parameters())
     targets.update(model.state_dict(keep_vars=True))  # persistent buffers too
     loaded = set()
+    # Tensors without a place that transformers' from_pretrained ignores too: DeepSeek-V3's MTP layer (model.layers.61.*).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     with torch.no_grad():
         for name in ckpt.names():
             if spec.is_expert_name(name):
@@ -76,6 +79,8 @@ def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device
             target = spec.hub_to_model(name)
             if target not in targets:
                 if "rotary_emb.inv_freq" in target:  # old checkpoints carry it; it is recomputed above
+                    continue
+                if any(p.search(name) for p in ignored):
                     continue
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
