@@ -2,6 +2,7 @@
 
 import os
 import socket
+import subprocess
 import sys
 import traceback
 
@@ -103,8 +104,6 @@ def tmp_dir(tmp_path):
 
 def run_script(script: str, nproc: int, *args: str, timeout: int = 300):
     """Launch a training script with torchrun on ``nproc`` CPU ranks; returns the CompletedProcess."""
-    import subprocess
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -118,6 +117,55 @@ def tiny_model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("models") / "tiny-mixtral")
     make_tiny_mixtral(path, os.path.join(ROOT, "data.json"))
     return path
+
+
+# ----------------------------------------------------------------------------- shared runs
+# The standard train_fsdp2.py runs, launched once per session and read by several test files (a launch
+# costs ~15 s of start-up on 2 cores; steps cost little). 50 samples: an epoch is 3 steps of 16, so
+# step 4 is in the second epoch. Tests that launch a variant add their flags to STANDARD_STEPS.
+STANDARD_STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1", "--save_steps", "2"]
+NUM_SAMPLES = 50
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> str:
+    """The first NUM_SAMPLES samples of data.json."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "data.json"
+    with open(os.path.join(ROOT, "data.json")) as f:
+        path.write_text(json.dumps(json.load(f)[:NUM_SAMPLES]))
+    return str(path)
+
+
+def standard_args(tiny_model_dir: str, small_data: str) -> list[str]:
+    return ["--model_name_or_path", tiny_model_dir, "--data_path", small_data, *STANDARD_STEPS]
+
+
+def train_fsdp2(nproc: int, out: str, *args: str) -> subprocess.CompletedProcess:
+    """train_fsdp2.py on ``nproc`` ranks into ``out``; fails the test unless it exits 0."""
+    result = run_script("train_fsdp2.py", nproc, "--output_dir", out, *args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
+    """1 rank, 4 samples per micro-step, activation checkpointing: the reference the N-rank runs and the
+    plain transformers loop are held to. Returns its output_dir."""
+    out = str(tmp_path_factory.mktemp("one_rank") / "run")
+    train_fsdp2(1, out, *standard_args(tiny_model_dir, small_data), "--per_device_train_batch_size", "4",
+                "--activation_checkpointing", "full")
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
+    """2 ranks (dp 1 x ep 2), 2 samples each per micro-step: the same global batches as ``one_rank_run``,
+    with checkpoints at steps 2 and 4. Returns its output_dir."""
+    out = str(tmp_path_factory.mktemp("two_rank") / "run")
+    train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), "--per_device_train_batch_size", "2")
+    return out
 
 
 def read_jsonl(path: str) -> list[dict]:
