@@ -1,6 +1,7 @@
 """Shared test helpers: tiny MoE configs and a launcher that runs a function on N real gloo ranks."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -119,12 +120,31 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+def exit_codes(stderr: str) -> dict[int, int]:
+    """The exit codes in torchrun's failure report (accelerate launch prints the same one), parsed:
+    {global rank: exit code} for every rank it lists. It lists only ranks that failed or that it stopped
+    (SIGTERM: -15); a rank that exited 0 is not in it, and a run without failures has no report ({})."""
+    found = re.findall(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\n\s*exitcode\s*:\s*(-?\d+)", stderr, re.M)
+    codes = {int(rank): int(code) for rank, code in found}
+    assert len(codes) == len(found), f"a rank is listed twice in the report: {found}"
+    return codes
+
+
+def every_rank_failed(stderr: str, world_size: int) -> dict[int, int]:
+    """Assert that the report lists every rank with a non-zero exit code (none ended well); returns the codes."""
+    codes = exit_codes(stderr)
+    assert sorted(codes) == list(range(world_size)) and 0 not in codes.values(), f"exit codes {codes}\n{stderr[-3000:]}"
+    return codes
+
+
 # ----------------------------------------------------------------------------- shared runs
 # The standard train_fsdp2.py runs, launched once per session and read by several test files (a launch
 # costs ~15 s of start-up on 2 cores; steps cost little). 50 samples: an epoch is 3 steps of 16, so
 # step 4 is in the second epoch. Tests that launch a variant add their flags to STANDARD_STEPS.
-STANDARD_STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1", "--save_steps", "2"]
+TRAIN_STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
+STANDARD_STEPS = [*TRAIN_STEPS, "--save_steps", "2"]
 NUM_SAMPLES = 50
+TWO_RANK_ARGS = ["--ep_size", "2", "--per_device_train_batch_size", "2", "--activation_checkpointing", "full"]
 
 
 @pytest.fixture(scope="session")
@@ -161,10 +181,10 @@ def one_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def two_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
-    """2 ranks (dp 1 x ep 2), 2 samples each per micro-step: the same global batches as ``one_rank_run``,
-    with checkpoints at steps 2 and 4. Returns its output_dir."""
+    """2 ranks (dp 1 x ep 2), 2 samples each per micro-step, activation checkpointing: the same global
+    batches as ``one_rank_run``, with checkpoints at steps 2 and 4. Returns its output_dir."""
     out = str(tmp_path_factory.mktemp("two_rank") / "run")
-    train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), "--per_device_train_batch_size", "2")
+    train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS)
     return out
 
 

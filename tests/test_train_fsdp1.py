@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, free_port, read_jsonl, run_ranks, run_script, tiny_mixtral_config
+from conftest import TRAIN_STEPS, ROOT, free_port, read_jsonl, run_ranks, run_script, tiny_mixtral_config
 
 from megablocks_utils import (
     IGNORE_INDEX,
@@ -32,10 +32,10 @@ RECORD_FIELDS = {
     "tokens_per_expert_max", "tokens_per_expert_mean", "tokens_per_expert",
 }
 SUMMARY_FIELDS = {"train_runtime", "train_steps_per_second", "train_tokens_per_second", "peak_rss_gb"}
-# 4 steps of 2 micro-steps; 2 ranks x 2 samples = 1 rank x 4 samples per micro-step. With 50 samples an
-# epoch has 3 steps: step 4 is in the second epoch, and checkpoint-2 is in the middle of the first.
-STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
-NUM_SAMPLES = 50
+# conftest's standard runs: 4 steps of 2 micro-steps; 2 ranks x 2 samples = 1 rank x 4 samples per
+# micro-step. With 50 samples an epoch has 3 steps: step 4 is in the second epoch, and checkpoint-2 is in
+# the middle of the first.
+STEPS = TRAIN_STEPS
 
 
 def readme_command() -> list[str]:
@@ -64,21 +64,16 @@ def accelerate_launch(words: list[str], *extra: str, num_processes: int | None =
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
-    """README's command on 2 ranks (ep=2, checkpoints every 2 steps), train_fsdp2.py on 2 ranks, train_fsdp1.py on 1."""
+def runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory):
+    """README's command on 2 ranks (ep=2, checkpoints every 2 steps), train_fsdp2.py on 2 ranks (conftest's
+    standard run, the same batches), train_fsdp1.py on 1."""
     tmp = tmp_path_factory.mktemp("fsdp1")
-    with open(os.path.join(ROOT, "data.json")) as f:
-        (tmp / "data.json").write_text(json.dumps(json.load(f)[:NUM_SAMPLES]))
-    model = ["--model_name_or_path", tiny_model_dir, "--data_path", str(tmp / "data.json")]
-    out = {name: str(tmp / name) for name in ("fsdp1", "fsdp2", "one")}
+    model = ["--model_name_or_path", tiny_model_dir, "--data_path", small_data]
+    out = {"fsdp1": str(tmp / "fsdp1"), "fsdp2": two_rank_run, "one": str(tmp / "one")}
     result = accelerate_launch(
         readme_command(), *model, "--output_dir", out["fsdp1"], *STEPS, "--ep_size", "2",
         "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2",
     )
-    fsdp2 = run_script(
-        "train_fsdp2.py", 2, *model, "--output_dir", out["fsdp2"], *STEPS, "--ep_size", "2", "--per_device_train_batch_size", "2"
-    )
-    assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
     accelerate_launch(
         readme_command(), *model, "--output_dir", out["one"], *STEPS, "--ep_size", "1", "--per_device_train_batch_size", "4",
         num_processes=1,
