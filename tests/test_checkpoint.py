@@ -166,7 +166,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
     assert int(saved[0][5:]) == len(read_jsonl(metrics)) < 500
 
 
-@pytest.mark.parametrize("nproc,ep,micro", [(2, 1, 2), (4, 2, 1), (4, 4, 1)], ids=["dp2-ep1", "dp2-ep2", "dp1-ep4"])
+@pytest.mark.parametrize("nproc,ep,micro", [
+    (2, 1, 2),
+    pytest.param(4, 2, 1, marks=pytest.mark.slow),
+    pytest.param(4, 4, 1, marks=pytest.mark.slow),
+], ids=["dp2-ep1", "dp2-ep2", "dp1-ep4"])
 def test_resume_on_another_mesh(tiny_model_dir, small_data, two_rank_run, tmp_path, nproc, ep, micro):
     """A (dp=1, ep=2) checkpoint (conftest's standard 2-rank run) continues on other splits and world
     sizes with the same losses.
@@ -219,7 +223,7 @@ def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, small_data, two_r
 OLD = os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_expert_fsdp")
 
 
-@pytest.mark.parametrize("nproc,ep,micro", [(2, 2, 2), (4, 2, 1)], ids=["dp1-ep2", "dp2-ep2-sharded"])
+@pytest.mark.parametrize("nproc,ep,micro", [(2, 2, 2), pytest.param(4, 2, 1, marks=pytest.mark.slow)], ids=["dp1-ep2", "dp2-ep2-sharded"])
 def test_resume_from_a_checkpoint_written_before_experts_were_fsdp_sharded(tmp_path, nproc, ep, micro):
     """A checkpoint of the old layout (experts replicated over dp, no FSDP on them) resumes into the new
     one, also with experts FSDP-sharded over dp = 2, and continues the old run's losses."""

@@ -37,6 +37,7 @@ def check_mesh_groups_time_out(rank, world_size, timeout_s):
         assert not failed
 
 
+@pytest.mark.slow
 def test_mesh_groups_have_the_given_timeout():
     run_ranks(check_mesh_groups_time_out, 4, 3)
 
@@ -87,6 +88,7 @@ def assert_all_gone(proc: subprocess.Popen, ranks: dict, started: float, bound_s
     return stderr
 
 
+@pytest.mark.slow
 def test_fsdp2_dead_rank_ends_every_rank(tiny_model_dir, tmp_path):
     """kill -9 of rank 1 mid-run: torchrun stops rank 0 at once, and rank 0's own next collective fails at
     once too (gloo sees the closed connection), whichever comes first."""
@@ -104,6 +106,7 @@ def test_fsdp2_dead_rank_ends_every_rank(tiny_model_dir, tmp_path):
     assert not os.path.exists(os.path.join(out, "summary.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
 def test_stuck_rank_times_out_every_rank(tiny_model_dir, tmp_path, script):
     """SIGSTOP of rank 1 (a hang: its connections stay open): rank 0 fails when its collective times out,
