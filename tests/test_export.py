@@ -3,7 +3,6 @@
 import os
 
 import pytest
-
 import torch
 import torch.distributed as dist
 from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
