@@ -1,7 +1,9 @@
 """Shared test helpers: tiny MoE configs and a launcher that runs a function on N real gloo ranks."""
 
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -150,12 +152,25 @@ TWO_RANK_ARGS = ["--ep_size", "2", "--per_device_train_batch_size", "2", "--acti
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> str:
     """The first NUM_SAMPLES samples of data.json."""
-    import json
-
     path = tmp_path_factory.mktemp("data") / "data.json"
     with open(os.path.join(ROOT, "data.json")) as f:
         path.write_text(json.dumps(json.load(f)[:NUM_SAMPLES]))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def dropout_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with attention dropout 0.1: every training step draws from each rank's RNG, so a
+    resumed run repeats the uninterrupted one's losses only if its RNG state was restored."""
+
+    path = str(tmp_path_factory.mktemp("dropout") / "tiny-mixtral-dropout")
+    shutil.copytree(tiny_model_dir, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["attention_dropout"] = 0.1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
 
 
 def standard_args(tiny_model_dir: str, small_data: str) -> list[str]:
@@ -189,8 +204,6 @@ def two_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    import json
-
     with open(path) as f:
         return [json.loads(line) for line in f]
 

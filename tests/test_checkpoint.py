@@ -1,6 +1,5 @@
 """Sharded checkpoints: exact resume after kill -9 (mid-step and mid-save), SIGTERM, resharding, export."""
 
-import json
 import os
 import re
 import shutil
@@ -89,19 +88,6 @@ def kill_mid_step(proc, out, nproc, after_records, timeout=300):
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive, alive
     return written, names
-
-
-@pytest.fixture(scope="module")
-def dropout_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with attention dropout 0.1: every training step draws from each rank's RNG."""
-    path = str(tmp_path_factory.mktemp("dropout") / "tiny-mixtral-dropout")
-    shutil.copytree(tiny_model_dir, path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["attention_dropout"] = 0.1
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
 
 
 @pytest.fixture(scope="module")
