@@ -4,18 +4,18 @@ expert parallelism on the experts.
     accelerate launch --num_processes 2 --config_file accelerate.yaml train_fsdp1.py \\
         --accelerator_config accelerator_config.json            # the embedded tiny Mixtral, CPU or GPU
 
-Edit the settings below or override any of them on the command line (--name value); every
-TrainingArguments flag works too (--bf16 true, --activation_checkpointing true, --save_steps 100, ...).
+Edit the settings below or override any of them from a file (--config run.yaml) or on the command line
+(--name value; a true/false setting alone means true); every TrainingArguments flag works too (--bf16,
+--activation_checkpointing, --save_steps 100, ...). `python train_fsdp1.py --help` lists them.
 Same model code, data order and loss as train_fsdp2.py, so both give the same loss at every step.
 """
 
 import argparse
 import dataclasses
-import glob
+import errno
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -26,15 +26,19 @@ import torch.distributed as dist
 
 # ----------------------------------------------------------------------------- settings
 model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
-data_path = "data.json"  # alpaca-format JSON list of {instruction, input, output}
+data_path = "data.json"  # records (alpaca, chat messages, prompt/completion or text) as JSON, JSONL, parquet or a datasets dir
+eval_data_path = ""  # held-out records for the eval loss (same formats); "" = none, or eval_split
+eval_split = 0.0  # hold out this fraction of data_path's records for the eval loss (--eval_strategy steps --eval_steps N: when)
+packing = True  # pack several samples into each row of max_length, documents kept apart (false: one padded sample per row)
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
-max_length = 256  # tokens per sample; longer samples are truncated
+max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
 max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
+warmup_ratio = 0.0  # linear warmup as a fraction of the total steps; when > 0 it replaces warmup_steps (as train_fsdp2.py)
 # TrainingArguments defaults of this script (the same run as train_fsdp2.py's defaults); any
 # TrainingArguments flag on the command line overrides them.
 trainer_defaults = dict(
@@ -60,7 +64,7 @@ trainer_defaults = dict(
 # Only what the inputs' checks need before they run (the Trainer, accelerate's FSDP and the model come after).
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
-from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_records  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_ep_size,
@@ -70,13 +74,23 @@ from megablocks_utils.inputs import (  # noqa: E402
     stop_together,
 )
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.settings import apply_overrides  # noqa: E402
+from megablocks_utils.settings import check_values, describe, help_comments, parse_settings  # noqa: E402
+from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 training_fields = dataclasses.fields(TrainingArguments)
 training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in training_fields}  # --no_x: HfArgumentParser's negation
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoint-*")  # what a run leaves in output_dir
+
+
+def trainer_help():
+    """--help's part on TrainingArguments: this script's defaults (comment, else transformers' help), then the rest."""
+    helps = {f.name: f.metadata.get("help", "").split(". ")[0] for f in training_fields}
+    helps.update(help_comments(__file__))
+    return (f"\nTrainingArguments given by this script (trainer_defaults; the same --config and command line override them):\n"
+            f"{describe(trainer_defaults, helps, numbers_only=True)}\n\nEvery other TrainingArguments flag works too, "
+            "e.g. --bf16, --save_strategy steps, --report_to tensorboard (transformers' TrainingArguments documentation).")
 
 
 def complete_trainer_checkpoints(output_dir):
@@ -111,7 +125,8 @@ def trainer_checkpoint(resume_from_checkpoint, output_dir):
 # bad input stops every rank within seconds, rank 0 says what to fix, nothing is written.
 use_cuda = torch.cuda.is_available()
 try:
-    trainer_argv = apply_overrides(settings, known_extra=training_flags - set(settings), extra_kind="TrainingArguments flag")
+    trainer_argv = parse_settings(settings, __file__, known_extra=training_flags - set(settings),
+                                  extra_kind="TrainingArguments flag", doc=__doc__, more_help=trainer_help)
     globals().update(settings)
     defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]
     if not use_cuda:
@@ -134,11 +149,21 @@ try:
         (args,) = parser.parse_args_into_dataclasses(args=defaults + trainer_argv)
     except (argparse.ArgumentError, ValueError) as e:
         raise InputError(f"{e}; fix the TrainingArguments flag") from None
+    # TrainingArguments checks few ranges (a batch size of 0 and a NaN learning rate pass it): ours, as in train_fsdp2.py.
+    check_values({f.name: getattr(args, f.name) for f in training_fields}, numbers_only=True)
+    if warmup_ratio > 0:
+        args.warmup_steps = warmup_ratio  # TrainingArguments takes a fraction of the total steps in warmup_steps
+    if "tensorboard" in (args.report_to or []):
+        require_tensorboard()
     if args.fp16:
         raise InputError("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
-    read_alpaca(data_path)
+    read_records(data_path)
+    if eval_data_path and eval_split > 0:
+        raise InputError("give eval_data_path or eval_split, not both")
+    if eval_data_path:
+        read_records(eval_data_path)
     num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
@@ -170,8 +195,18 @@ from megablocks_utils import (  # noqa: E402
     router_stats,
     sync_expert_grads,
 )
-from megablocks_utils.checkpoint import copy_model_files  # noqa: E402
-from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate  # noqa: E402
+from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
+from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
+from megablocks_utils.checkpoint import (  # noqa: E402
+    DISK_FULL_IN_SAVE_ENV,
+    SAVE_ERRORS,
+    CheckpointError,
+    copy_model_files,
+    stop_if_save_failed,
+)
+from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate, tokenize_records  # noqa: E402
+from megablocks_utils.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
     fsdp_on_cpu,
@@ -180,9 +215,9 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
     sharding_facts,
     weight_checksums,
 )
-from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
+from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
-from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
+from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 device = args.device  # sets up accelerate's process state and the process group
@@ -211,7 +246,7 @@ ensure_default_model(model_name_or_path, data_path)  # the embedded default: mad
 # The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 
-# Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; README says why).
+# Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
                        nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), max_length=max_length,
                        per_device_train_batch_size=args.per_device_train_batch_size,
@@ -227,10 +262,25 @@ if use_cuda:
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    dataset, dropped = build_dataset(data_path, tokenizer, max_length)
-    batches = GlobalBatches(
-        dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank, args.seed
-    )
+    dataset, dropped, (held_out, data_format) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split,
+                                                              seed=args.seed, source=model_name_or_path)
+    n_samples = len(dataset)
+    eval_set = None
+    if eval_data_path:
+        eval_set = build_dataset(eval_data_path, tokenizer, max_length, source=model_name_or_path)[0]
+    elif held_out:
+        eval_set = tokenize_records(held_out, data_format, tokenizer, max_length, f"{data_path} (eval_split)")[0]
+    if packing:  # the same rows as train_fsdp2.py (megablocks_utils/packing.py)
+        dataset = pack_dataset(dataset, max_length, args.seed)
+        eval_set = pack_dataset(eval_set, max_length, args.seed) if eval_set is not None else None
+    batches = GlobalBatches(dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank,
+                            args.seed, unit="packed rows" if packing else "samples")
+total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
+stop_if_finished(args.output_dir, resume, start_step, total_steps)  # e.g. a requeued --resume_from_checkpoint last after the end: exit 0
+saves = checkpoints_kept(total_steps, max(1, int(args.save_steps)), args.save_total_limit or 0) if args.save_strategy == "steps" else 0
+space = disk_space_warning(args.output_dir, plan.counts.total, "adamw_torch", saves)  # Trainer's AdamW: fp32 weights and moments
+if master and space:
+    print(space, flush=True)
 with stop_together():
     # FSDP1 cannot shard the experts' DTensors, so they stay whole on their ep rank and replicated over
     # dp (sync_expert_grads sums their gradients); train_fsdp2.py shards them over dp as well.
@@ -238,65 +288,45 @@ with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
-total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
 experts = expert_parameters(model)
 dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e in experts))
-n_active = active_params(model, config, experts)
-peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
 world_group = mesh.world.get_group()
 if master:
     print(
-        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {len(dataset)} samples ({dropped} dropped: "
-        f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {n_samples} {data_format} samples ({dropped} dropped: "
+        f"no label within max_length)" + (f" packed into {len(dataset)} rows of {max_length}" if packing else "")
+        + f"; {batches.per_step} {'rows' if packing else 'samples'} per step; {total_steps} steps"
+        + (f"; eval: {len(eval_set)} {'rows' if packing else 'samples'}" if eval_set is not None else ""),
         flush=True,
     )
 
 
 # ----------------------------------------------------------------------------- the Trainer
 class StepMetrics(TrainerCallback):
-    """Per-step sums filled by the loss, reduced over ranks before the optimizer step, written to metrics.jsonl at the step's end."""
+    """The step's sums, filled by the loss and reduced over ranks before the optimizer step
+    (MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
 
     def __init__(self):
-        self.writer = None
+        self.log = None  # the MetricsLog, made once output_dir is ready
         self.grad_norm = float("nan")
         self.skipped = False
-        self.total_tokens = 0.0
-        self.record = {}
+        self.eval_pending = None  # a step's record waiting for its eval loss (MoETrainer.evaluate)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
-        # [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses] and [layer, expert]
-        # top-k counts, summed over ranks before the optimizer step (MoETrainer.sync_and_clip).
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
-        self.tokens_per_expert = 0
+        self.sums = StepSums(device)
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        ce_sum, aux_loss, real_tokens, slots, _ = (float(x) for x in self.sums)
-        step_time = time.perf_counter() - self.start  # after float(): the GPU has finished the optimizer step too
-        ce_loss = ce_sum / self.label_tokens
-        self.total_tokens += real_tokens
-        flops = flops_per_token(n_active, config, slots / batches.per_step) * slots
-        self.record = {
-            "step": state.global_step,
-            "loss": ce_loss + aux_coef * aux_loss,
-            "ce_loss": ce_loss,
-            "aux_loss": aux_loss,
-            "lr": lr_scheduler.get_last_lr()[0],
-            "grad_norm": self.grad_norm,
-            "skipped": self.skipped,
-            "tokens": int(real_tokens),
-            "tokens_per_second": real_tokens / step_time,
-            "tokens_per_second_per_device": real_tokens / step_time / world_size,
-            "tflops_per_device": flops / step_time / world_size / 1e12,
-            "mfu": flops / step_time / world_size / peak_flops if peak_flops else None,
-            "step_time_s": step_time,
-            **peak_memory_gb(device),
-            "tokens_per_expert_max": self.tokens_per_expert.max(dim=1).values.tolist(),
-            "tokens_per_expert_mean": self.tokens_per_expert.mean(dim=1).tolist(),
-            "tokens_per_expert": self.tokens_per_expert.long().tolist(),
-        }
-        if self.writer is not None:
-            self.writer.write(self.record)
+        if use_cuda:
+            torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
+        if eval_set is not None and state.global_step == state.max_steps:
+            control.should_evaluate = True  # the eval loss at the end too, as train_fsdp2.py
+        # A step with an evaluation is written once its eval loss is known (MoETrainer.evaluate).
+        evaluating = eval_set is not None and control.should_evaluate
+        record = self.log.record(state.global_step, self.sums, label_tokens=self.label_tokens, lr=lr_scheduler.get_last_lr()[0],
+                                 grad_norm=self.grad_norm, skipped=self.skipped, step_time=time.perf_counter() - self.start,
+                                 write=not evaluating)
+        self.eval_pending = record if evaluating else None
 
 
 class StopOnSigterm(TrainerCallback):
@@ -358,20 +388,34 @@ class MoETrainer(Trainer):
         return samples, tokens
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-        stats = router_stats(model, inputs["attention_mask"], world_group)
+        # Packed rows: per-document position_ids, no attention mask, no cache (see train_fsdp2.py)
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"],
+                    use_cache=False)
+        stats = router_stats(model, inputs["real"], world_group)
         ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, inputs["labels"]), self.state.global_step + 1, rank, world_size)  # test hook
         micro_steps = self.current_gradient_accumulation_steps
         # Each rank's loss is world_size x its share of the global mean (FSDP averages dense gradients over
         # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
         # over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
         loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
-        mask = inputs["attention_mask"]
-        step_metrics.sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (micro_steps * world_size),
-                                          mask.sum().double(), torch.tensor(mask.numel(), device=mask.device).double(),
-                                          (~torch.isfinite(loss.detach())).double()])
-        step_metrics.tokens_per_expert = step_metrics.tokens_per_expert + stats.tokens_per_expert
+        step_metrics.sums.add(ce_sum=ce_sum, aux=stats.value.double() / (micro_steps * world_size), tokens=inputs["real"].sum(),
+                              token_slots=inputs["input_ids"].numel(), attention_sq=inputs["attention_sq"],
+                              nonfinite=~torch.isfinite(loss.detach()), tokens_per_expert=stats.tokens_per_expert)
         return (loss, out) if return_outputs else loss
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint-N; when a write fails on any rank (a full disk above all), every rank stops
+        with one message and the partial checkpoint-N is removed (megablocks_utils/checkpoint.py)."""
+        path = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        error = None
+        try:
+            super()._save_checkpoint(model, trial)
+            if os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(self.state.global_step) and rank == world_size - 1:  # test hook
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        except SAVE_ERRORS as e:  # every rank must learn of it; the message says what it was
+            error = e
+        stop_if_save_failed(error, self.state.global_step, path, lambda: complete_trainer_checkpoints(self.args.output_dir),
+                            "--resume_from_checkpoint last")
 
     def create_optimizer(self, model=None):
         """Trainer's optimizer (one param group per mesh), made ready for resuming and hooked for clipping."""
@@ -396,24 +440,38 @@ class MoETrainer(Trainer):
         sync_expert_grads(self.model, mesh)
         inject_nan_grad(self.model.parameters(), step, rank, world_size)  # test hook
         norm = float(clip_grad_norm_(self.model.parameters(), max_grad_norm, sharded_group=grad_shard_group(self.model)))
-        dist.all_reduce(step_metrics.sums, group=world_group)
-        ce_sum, aux_loss, _, _, nonfinite_losses = (float(x) for x in step_metrics.sums)
+        sums = step_metrics.sums.all_reduce(world_group)
         step_metrics.grad_norm = norm
-        step_metrics.skipped = nonfinite_steps.check(step, ce_sum / step_metrics.label_tokens + aux_coef * aux_loss, norm, int(nonfinite_losses))
+        step_metrics.skipped = nonfinite_steps.check(step, sums.ce_sum / step_metrics.label_tokens + aux_coef * sums.aux, norm, int(sums.nonfinite))
         if step_metrics.skipped:
             optimizer.zero_grad(set_to_none=True)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Trainer's schedule (--eval_strategy steps --eval_steps N, and the last step) with the suite's eval
+        loss (megablocks_utils/evaluate.py): every rank runs the same number of forwards through the expert
+        shards, and the loss is the mean over the eval set's label tokens, as in train_fsdp2.py."""
+        if eval_set is None:
+            return {}
+        value = eval_loss(self.model_wrapped, eval_set, self.args.per_device_train_batch_size, tokenizer.pad_token_id,
+                          device, world_group)
+        metrics = {f"{metric_key_prefix}_loss": value}
+        self.log(metrics)
+        step_metrics.log.add_eval(value, step_metrics.eval_pending)  # the step's record, written now with its eval loss
+        step_metrics.eval_pending = None
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     def log(self, logs, start_time=None):
         if "grad_norm" in logs:  # Trainer's own norm misses the expert shards; report ours
             logs["grad_norm"] = step_metrics.grad_norm
-        if "loss" in logs and "aux_loss" in step_metrics.record:
-            logs["aux_loss"] = step_metrics.record["aux_loss"]
+        if "loss" in logs and step_metrics.log.last is not None:
+            logs["aux_loss"] = step_metrics.log.last["aux_loss"]
         super().log(logs, start_time)
 
 
 step_metrics = StepMetrics()
 trainer = MoETrainer(
-    model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm(), ModelFilesInCheckpoints()]
+    model=model, args=args, train_dataset=dataset, eval_dataset=eval_set, processing_class=tokenizer, callbacks=[step_metrics, StopOnSigterm(), ModelFilesInCheckpoints()]
 )
 
 # ----------------------------------------------------------------------------- parallelize
@@ -436,38 +494,27 @@ if master:
     print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
 
 # ----------------------------------------------------------------------------- train
+kept = None
 if master:
-    if os.path.isdir(args.output_dir) and overwrite_output_dir and resume is None:
-        # checkpoint-* too: --resume_from_checkpoint last must never pick up the replaced run's checkpoints
-        for path in [p for pattern in RESULTS for p in glob.glob(os.path.join(glob.escape(args.output_dir), pattern))]:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(args.output_dir, exist_ok=True)
-    if resume is not None and os.path.exists(metrics_path):  # keep the records up to the checkpoint's step
-        with open(metrics_path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= start_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    with open(os.path.join(args.output_dir, "settings.json"), "w") as f:
-        json.dump({**settings, "training_args": args.to_dict(), "max_grad_norm": max_grad_norm}, f, indent=1, default=str)
-    step_metrics.writer = JsonlWriter(metrics_path)
+    kept = prepare_output_dir(args.output_dir, RESULTS, overwrite_output_dir and resume is None, start_step,
+                              {**settings, "training_args": args.to_dict(), "max_grad_norm": max_grad_norm})
 dist.barrier()
-
-
-def where_to_continue(bad_step):
-    """For the stop message: the newest complete checkpoint-N before the bad step, and how to go on from it."""
-    found = [c for c in complete_trainer_checkpoints(args.output_dir) if int(c.rsplit("-", 1)[1]) < bad_step]
-    if not found:
-        return "no checkpoint was saved before it (--save_strategy steps --save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
-    return (f"the last good checkpoint is {found[-1]}; continue with --resume_from_checkpoint {found[-1]} --nonfinite skip "
-            "(a resumed run repeats the same batches, so this step may fail again without skip)")
-
+step_metrics.log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size, samples_per_step=batches.per_step,
+                              n_active=active_params(model, config, experts), config=config,
+                              peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
 
 try:
     result = trainer.train(resume_from_checkpoint=resume)
-except NonFiniteStep as e:
+except CheckpointError as e:  # a checkpoint could not be saved (MoETrainer._save_checkpoint)
     if master:
         print(file=sys.stderr)  # off Trainer's progress bar line
-    fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
+    fail(e)
+except NonFiniteStep as e:
+    if master:
+        print(file=sys.stderr)
+    saved = [(int(c.rsplit("-", 1)[1]), c) for c in complete_trainer_checkpoints(args.output_dir)]
+    fail(f"{e}; stopped without applying or saving this step; "
+         f"{where_to_continue(e.step, saved, '--resume_from_checkpoint', '--save_strategy steps --save_steps N')}")
 if sigterm.item() and result.global_step < total_steps:
     if master:
         print(f"SIGTERM: saved {os.path.join(args.output_dir, f'checkpoint-{result.global_step}')}; "
@@ -478,37 +525,24 @@ wrapped = trainer.model_wrapped
 sharding = sharding_facts(wrapped)
 
 # ----------------------------------------------------------------------------- summary and export
-memory = peak_memory_gb(device)
-memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
-dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
 local_all = torch.tensor([sharding["dense_numel_local"]], dtype=torch.float64, device=device)
 dist.all_reduce(local_all, op=dist.ReduceOp.MAX)
 runtime = result.metrics["train_runtime"]
 steps_run = result.global_step - start_step
 checksums = weight_checksums(wrapped, mesh)
-summary = {
-    "train_runtime": runtime,
-    "train_steps_per_second": steps_run / runtime,
-    "train_tokens_per_second": step_metrics.total_tokens / runtime,
-    "train_tokens_per_second_per_device": step_metrics.total_tokens / runtime / world_size,
-    **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
-    "final_loss": step_metrics.record.get("loss"),
-    "skipped_steps": nonfinite_steps.skipped,
-    "world_size": world_size,
-    "dp": mesh.dp_size,
-    "ep": mesh.ep_size,
-    "distributed_type": str(trainer.accelerator.distributed_type),
-    "fsdp_wrapped_modules": sharding["fsdp_wrapped_modules"],
-    "dense_numel_full": dense_numel,
-    "dense_numel_local_max": int(local_all),  # the largest shard any rank holds
+summary = step_metrics.log.summary(
+    runtime=runtime, steps_run=steps_run, skipped_steps=nonfinite_steps.skipped, dp=mesh.dp_size, ep=mesh.ep_size,
+    distributed_type=str(trainer.accelerator.distributed_type),
+    fsdp_wrapped_modules=sharding["fsdp_wrapped_modules"],
+    dense_numel_full=dense_numel,
+    dense_numel_local_max=int(local_all),  # the largest shard any rank holds
     **checksums,
-}
+)
 export_hf_fsdp1(wrapped, mesh, os.path.join(args.output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
-    step_metrics.writer.close()
+    step_metrics.log.close()
     write_summary(os.path.join(args.output_dir, "summary.json"), summary)
-    shown = {k: v for k, v in summary.items() if not isinstance(v, list)}
-    print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()), flush=True)
+    print(summary_line(summary), flush=True)
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(args.output_dir, 'final')}", flush=True)

@@ -3,13 +3,12 @@
     torchrun --nproc_per_node=2 train_fsdp2.py                      # the embedded tiny Mixtral, CPU or GPU
     torchrun --nproc_per_node=8 train_fsdp2.py --model_name_or_path /models/Mixtral-8x7B-v0.1 --ep_size 8
 
-Edit the settings below or override any of them on the command line (--name value).
+Edit the settings below or override any of them from a file (--config run.yaml) or on the command line
+(--name value; a true/false setting alone means true). `python train_fsdp2.py --help` lists them all.
 """
 
-import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -20,7 +19,12 @@ import torch.distributed as dist
 
 # ----------------------------------------------------------------------------- settings
 model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
-data_path = "data.json"  # alpaca-format JSON list of {instruction, input, output}
+data_path = "data.json"  # records (alpaca, chat messages, prompt/completion or text) as JSON, JSONL, parquet or a datasets dir
+eval_data_path = ""  # held-out records for the eval loss (same formats); "" = none, or eval_split
+eval_split = 0.0  # hold out this fraction of data_path's records for the eval loss (instead of eval_data_path)
+eval_steps = 0  # compute the eval loss every N steps (and at the end, whenever there is eval data); 0 = only at the end
+packing = True  # pack several samples into each row of max_length, documents kept apart (false: one padded sample per row)
+attn_implementation = "sdpa"  # transformers' attention kernel: "sdpa", "eager" or "flex_attention"
 output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF model (final/)
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
@@ -28,13 +32,18 @@ shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replica
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/optim.py)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
-max_length = 256  # tokens per sample; longer samples are truncated
-per_device_train_batch_size = 4  # samples per rank per micro-step
+max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
+per_device_train_batch_size = 4  # rows (packed) or samples per rank per micro-step
 gradient_accumulation_steps = 2  # micro-steps per optimizer step
 learning_rate = 2e-3  # peak learning rate (the tiny model trains from scratch; ~1e-5 for Mixtral)
-lr_scheduler_type = "cosine"  # "cosine", "linear", "constant_with_warmup", ... (SCHEDULERS below)
-warmup_steps = 5  # linear warmup steps
+lr_scheduler_type = "cosine"  # "cosine", "cosine_with_min_lr" (down to min_lr_rate), "linear", "constant_with_warmup", ...
+min_lr_rate = 0.1  # cosine_with_min_lr: the final learning rate as a fraction of learning_rate
+warmup_steps = 5.0  # linear warmup steps; below 1, a fraction of the total steps (as TrainingArguments)
+warmup_ratio = 0.0  # linear warmup as a fraction of the total steps; when > 0 it replaces warmup_steps
 weight_decay = 0.0  # AdamW weight decay
+adam_beta1 = 0.9  # AdamW's decay rate of the gradient average
+adam_beta2 = 0.95  # AdamW's decay rate of the squared-gradient average
+adam_epsilon = 1e-8  # AdamW's denominator guard
 max_grad_norm = 1.0  # clip the global gradient norm (0: no clipping, norm still logged)
 max_steps = 40  # optimizer steps; -1 = num_train_epochs over the data
 num_train_epochs = 1  # used when max_steps = -1
@@ -50,12 +59,14 @@ nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming th
 max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
 collective_timeout_s = 600  # a collective waiting longer than this for another rank (dead or stuck) ends the run with an error
 logging_steps = 1  # progress-bar update interval (metrics.jsonl gets every step)
+report_to = "none"  # "tensorboard": also write loss, lr, grad norm, tokens/s, MFU and expert load as TensorBoard scalars
+logging_dir = ""  # where report_to writes its event files; "" = output_dir/runs
 peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, MFU not reported on CPU
 gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a smaller GPU); 0 = all of it
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
-from megablocks_utils.data import read_alpaca  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_records  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_dp_replicate,
@@ -67,32 +78,27 @@ from megablocks_utils.inputs import (  # noqa: E402
 )
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
 from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402
-from megablocks_utils.optim import OPTIMIZERS  # noqa: E402
-from megablocks_utils.settings import apply_overrides  # noqa: E402
+from megablocks_utils.settings import parse_settings  # noqa: E402
+from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
 from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
-# transformers' schedulers that need nothing beyond warmup and total steps
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 
 # ----------------------------------------------------------------------------- inputs
 # Checked on every rank alike from the same files, before the process group and anything heavy: a
 # bad input stops every rank within seconds, rank 0 says what to fix, nothing is written.
 try:
-    apply_overrides(settings)
+    parse_settings(settings, __file__, doc=__doc__)  # --help, --config, --name value; every range and choice (settings.RULES)
     globals().update(settings)
-    if dtype not in ("auto", "bf16", "fp32"):
-        raise InputError(f"dtype={dtype!r} is unknown; choose auto, bf16 or fp32")
-    if lr_scheduler_type not in SCHEDULERS:
-        raise InputError(f"lr_scheduler_type={lr_scheduler_type!r} is unknown; choose one of {', '.join(SCHEDULERS)}")
-    try:
-        settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    if optim not in OPTIMIZERS:
-        raise InputError(f"optim={optim!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
-    read_alpaca(data_path)
+    settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
+    if report_to == "tensorboard":
+        require_tensorboard()
+    read_records(data_path)
+    if eval_data_path and eval_split > 0:
+        raise InputError("give eval_data_path or eval_split, not both")
+    if eval_data_path:
+        read_records(eval_data_path)
     num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
@@ -109,20 +115,26 @@ except InputError as e:
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats  # noqa: E402
+from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
+from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
+    checkpoint_step,
     complete_checkpoints,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
 )
-from megablocks_utils.data import GlobalBatches, build_dataset, collate  # noqa: E402
+from megablocks_utils.data import GlobalBatches, build_dataset, collate, tokenize_records  # noqa: E402
+from megablocks_utils.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
-from megablocks_utils.metrics import JsonlWriter, active_params, flops_per_token, peak_memory_gb, write_summary  # noqa: E402
-from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss  # noqa: E402
+from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
+from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 use_cuda = torch.cuda.is_available()
@@ -154,6 +166,7 @@ metrics_path = os.path.join(output_dir, "metrics.jsonl")
 checkpoint_root = os.path.join(output_dir, "checkpoints")
 try:
     resume_from = resolve_resume(resume, checkpoint_root)
+    resume_step = checkpoint_step(resume_from) if resume_from else 0
 except CheckpointError as e:
     fail(e)
 if resume == "auto" and resume_from is None and not overwrite_output_dir and {"summary.json", "final/"} & set(earlier_results):
@@ -178,21 +191,39 @@ if use_cuda:
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    dataset, dropped = build_dataset(data_path, tokenizer, max_length)
-    batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed)
+    dataset, dropped, (held_out, data_format) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split,
+                                                              seed=seed, source=model_name_or_path)
+    n_samples = len(dataset)
+    eval_set = None
+    if eval_data_path:
+        eval_set = build_dataset(eval_data_path, tokenizer, max_length, source=model_name_or_path)[0]
+    elif held_out:
+        eval_set = tokenize_records(held_out, data_format, tokenizer, max_length, f"{data_path} (eval_split)")[0]
+    if packing:  # rows of several samples (megablocks_utils/packing.py); the eval loss is the same packed or not
+        dataset = pack_dataset(dataset, max_length, seed)
+        eval_set = pack_dataset(eval_set, max_length, seed) if eval_set is not None else None
+    batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
+                            unit="packed rows" if packing else "samples")
+total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
+stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a requeued --resume auto after the end: exit 0
+space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
+if master and space:
+    print(space, flush=True)
 # The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():
-    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend)
+    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend,
+                             attn_implementation=attn_implementation)
 config = model.config
 aux_coef = config.router_aux_loss_coef if router_aux_loss_coef < 0 else router_aux_loss_coef
-total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {len(dataset)} samples ({dropped} dropped: "
-        f"response beyond max_length); {batches.per_step} samples per step; {total_steps} steps",
+        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {n_samples} {data_format} samples ({dropped} dropped: "
+        f"no label within max_length)" + (f" packed into {len(dataset)} rows of {max_length}" if packing else "")
+        + f"; {batches.per_step} {'rows' if packing else 'samples'} per step; {total_steps} steps"
+        + (f"; eval: {len(eval_set)} {'rows' if packing else 'samples'}" if eval_set is not None else ""),
         flush=True,
     )
 
@@ -211,8 +242,11 @@ model.train()
 # kernels cannot mix DTensors of different meshes in one call.
 dense_params = [p for p in model.parameters() if p not in experts]
 optimizer = build_optimizer(optim, [{"params": dense_params}, {"params": list(experts)}], lr=learning_rate,
-                            betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, device_type=device.type)
-scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+                            betas=(adam_beta1, adam_beta2), eps=adam_epsilon, weight_decay=weight_decay, device_type=device.type)
+warmup = warmup_ratio or warmup_steps  # steps, or below 1 a fraction of the total steps (TrainingArguments' rule)
+scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(warmup * total_steps) if warmup < 1 else int(warmup),
+                          num_training_steps=total_steps,
+                          scheduler_specific_kwargs={"min_lr_rate": min_lr_rate} if lr_scheduler_type == "cosine_with_min_lr" else None)
 
 start_step = 0
 if resume_from:
@@ -227,86 +261,68 @@ if resume_from:
             print(f"warning: the checkpoint's run used learning_rate={float(scheduler.base_lrs[0]):g}; a resumed run continues "
                   f"its schedule, so learning_rate={learning_rate:g} is not used (to train with another rate, start a "
                   "new run from the exported model)", flush=True)
-        if restored["samples_per_step"] != batches.per_step:
-            print(f"warning: the checkpoint's run used {restored['samples_per_step']} samples per step, this one "
-                  f"{batches.per_step}: the data order after resume differs from the original run", flush=True)
+        if (restored["samples_per_step"], restored.get("packing", False)) != (batches.per_step, packing):
+            print(f"warning: the checkpoint's run used {restored['samples_per_step']} "
+                  f"{'rows' if restored.get('packing', False) else 'samples'} per step, this one {batches.per_step} "
+                  f"{'rows' if packing else 'samples'}: the data order after resume differs from the original run", flush=True)
 
 
 def checkpoint(step):
-    save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
-                    {"samples_per_step": batches.per_step, "seed": seed}, save_total_limit, model_name_or_path)
+    try:
+        save_checkpoint(checkpoint_root, step, model, optimizer, scheduler,
+                        {"samples_per_step": batches.per_step, "packing": packing, "seed": seed}, save_total_limit, model_name_or_path)
+    except CheckpointError as e:  # e.g. a full disk: every rank stops here, the partial checkpoint removed
+        if master:
+            progress.close()  # the message on a line of its own
+        fail(e)
 
-
-def where_to_continue(bad_step):
-    """For the stop message: the newest complete checkpoint before the bad step, and how to go on from it."""
-    # (one of a later step is another run's, left there when this one resumed from an earlier checkpoint)
-    found = [c for c in complete_checkpoints(checkpoint_root) if int(os.path.basename(c)[5:]) < bad_step]
-    if not found:
-        return "no checkpoint was saved before it (--save_steps N keeps some); rerun, with --nonfinite skip to skip such steps"
-    return (f"the last good checkpoint is {found[-1]}; continue with --resume {found[-1]} --nonfinite skip "
-            "(a resumed run repeats the same batches, so this step may fail again without skip)")
-
-
-n_active = active_params(model, config, list(experts))
-peak_flops = (peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12
-world_group = mesh.world.get_group()
 
 # ----------------------------------------------------------------------------- train
+kept = None
 if master:
-    if os.path.isdir(output_dir) and overwrite_output_dir and not resume_from:
-        for name in RESULTS:
-            path = os.path.join(output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
-    os.makedirs(output_dir, exist_ok=True)
-    if os.path.exists(metrics_path):  # keep the records up to the resumed step, drop any later ones
-        with open(metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    with open(os.path.join(output_dir, "settings.json"), "w") as f:
-        json.dump(settings, f, indent=1)
-    metrics = JsonlWriter(metrics_path)
+    kept = prepare_output_dir(output_dir, RESULTS, overwrite_output_dir and not resume_from, start_step, settings)
+    board = TensorBoardWriter(logging_dir or os.path.join(output_dir, "runs"), start_step) if report_to == "tensorboard" else None
     from tqdm import tqdm
 
     progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 dist.barrier()
+log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size, samples_per_step=batches.per_step,
+                 n_active=active_params(model, config, list(experts)), config=config,
+                 peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
+world_group = mesh.world.get_group()
 
 run_start = time.perf_counter()
-total_tokens_seen = 0
-record = None
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    # Per-step accumulators: [ce sum, aux, real tokens, padded token slots, non-finite micro-batch losses]
-    # (summed over ranks below).
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
-    tokens_per_expert = 0
+    sums = StepSums(device)  # summed over ranks below
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        stats = router_stats(model, batch["attention_mask"], world_group)
+        # Packed rows come with per-document position_ids and no attention mask (data.collate); without a
+        # cache, transformers turns them into a mask that keeps documents apart.
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                    use_cache=False)
+        stats = router_stats(model, batch["real"], world_group)
         ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
         # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
         loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
         loss.backward()
-        sums += torch.stack([ce_sum.detach().double(), stats.value.double() / (len(micro_batches) * world_size),
-                             batch["attention_mask"].sum().double(), torch.tensor(batch["input_ids"].numel(), device=device).double(),
-                             (~torch.isfinite(loss.detach())).double()])
-        tokens_per_expert = tokens_per_expert + stats.tokens_per_expert
+        sums.add(ce_sum=ce_sum, aux=stats.value.double() / (len(micro_batches) * world_size), tokens=batch["real"].sum(),
+                 token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"], nonfinite=~torch.isfinite(loss.detach()),
+                 tokens_per_expert=stats.tokens_per_expert)
     inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     # Before the optimizer step, so every rank decides on the same global loss and norm.
-    dist.all_reduce(sums, group=world_group)
-    ce_loss, aux_loss, real_tokens, slots, nonfinite_losses = (float(x) for x in sums)
-    ce_loss /= step_label_tokens
+    sums.all_reduce(world_group)
     try:
-        skipped = nonfinite_steps.check(step + 1, ce_loss + aux_coef * aux_loss, float(grad_norm), int(nonfinite_losses))
+        skipped = nonfinite_steps.check(step + 1, sums.ce_sum / step_label_tokens + aux_coef * sums.aux, float(grad_norm), int(sums.nonfinite))
     except NonFiniteStep as e:
         if master:
             progress.close()  # the message on a line of its own
-        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step)}")
+        saved = [(int(os.path.basename(c)[5:]), c) for c in complete_checkpoints(checkpoint_root)]
+        fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
     if not skipped:
         optimizer.step()
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
@@ -314,33 +330,18 @@ for step in range(start_step, total_steps):
     if use_cuda:
         torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
     step_time = time.perf_counter() - step_start
-    total_tokens_seen += real_tokens
-    seq_len = slots / (batches.per_step)
-    flops = flops_per_token(n_active, config, seq_len) * slots
-    record = {
-        "step": step + 1,
-        "loss": ce_loss + aux_coef * aux_loss,
-        "ce_loss": ce_loss,
-        "aux_loss": aux_loss,
-        "lr": float(scheduler.get_last_lr()[0]),
-        "grad_norm": float(grad_norm),
-        "skipped": skipped,
-        "tokens": int(real_tokens),
-        "tokens_per_second": real_tokens / step_time,
-        "tokens_per_second_per_device": real_tokens / step_time / world_size,
-        "tflops_per_device": flops / step_time / world_size / 1e12,
-        "mfu": flops / step_time / world_size / peak_flops if peak_flops else None,
-        "step_time_s": step_time,
-        **peak_memory_gb(device),
-        "tokens_per_expert_max": tokens_per_expert.max(dim=1).values.tolist(),
-        "tokens_per_expert_mean": tokens_per_expert.mean(dim=1).tolist(),
-        "tokens_per_expert": tokens_per_expert.long().tolist(),
-    }
+    evaluated = None  # the eval loss (after the step's timing): every eval_steps steps and at the end
+    if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
+        evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group)
+    record = log.record(step + 1, sums, label_tokens=step_label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                        skipped=skipped, step_time=step_time, eval_loss=evaluated)  # written to metrics.jsonl by rank 0
     if master:
-        metrics.write(record)
+        if board:
+            board.write(record)
         progress.update(1)
         if (step + 1) % logging_steps == 0:
-            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}")
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}",
+                                 **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}))
     if save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps):
         checkpoint(step + 1)
     dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)
@@ -356,34 +357,21 @@ for step in range(start_step, total_steps):
 runtime = time.perf_counter() - run_start
 
 # ----------------------------------------------------------------------------- summary and export
-memory = peak_memory_gb(device)
-memory_all = torch.tensor(list(memory.values()), dtype=torch.float64, device=device)
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
 local = [p.to_local() for p in model.parameters()]
 state_sizes = torch.tensor([sum(t.numel() for t in local), sum(2 * t.numel() * t.element_size() for t in local) + state_bytes(optimizer)],
                            dtype=torch.float64, device=device)
 dist.all_reduce(state_sizes)
-dist.all_reduce(memory_all, op=dist.ReduceOp.MAX)
-summary = {
-    "train_runtime": runtime,
-    "train_steps_per_second": (total_steps - start_step) / runtime,
-    "train_tokens_per_second": total_tokens_seen / runtime,
-    "train_tokens_per_second_per_device": total_tokens_seen / runtime / world_size,
-    **{k: float(v) for k, v in zip(memory, memory_all)},  # the largest over ranks
-    "final_loss": record["loss"] if record else None,
-    "skipped_steps": nonfinite_steps.skipped,
-    "bytes_per_param": float(state_sizes[1] / state_sizes[0]),
-    "optim": optim,
-    "world_size": world_size,
-    "dp": mesh.dp_size,
-    "ep": mesh.ep_size,
-}
+summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipped_steps=nonfinite_steps.skipped,
+                      dp=mesh.dp_size, ep=mesh.ep_size, bytes_per_param=float(state_sizes[1] / state_sizes[0]), optim=optim)
 export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     progress.close()
-    metrics.close()
+    log.close()
+    if board:
+        board.close()
     write_summary(os.path.join(output_dir, "summary.json"), summary)
-    print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
+    print(summary_line(summary), flush=True)
     if nonfinite_steps.skipped:
         print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
     print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)

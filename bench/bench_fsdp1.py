@@ -218,10 +218,14 @@ def run(args) -> None:
     per_step = args.micro_batch * args.grad_accum * args.gpus
     tokenizer = AutoTokenizer.from_pretrained(args.dir)
     start = time.perf_counter()
-    records = synthetic_alpaca(tokenizer, args.seq, per_step * (args.warmup + args.steps), os.path.join(ROOT, "data.json"))
-    with open(data, "w") as f:
-        json.dump(records, f)
-    print(f"{len(records)} samples of exactly {args.seq} tokens in {data} ({time.perf_counter() - start:.1f} s)", flush=True)
+    if args.data:  # real records as they come (their lengths, padding or packing as the script's settings say)
+        shutil.copyfile(args.data, data)
+        print(f"data: {args.data}", flush=True)
+    else:
+        records = synthetic_alpaca(tokenizer, args.seq, per_step * (args.warmup + args.steps), os.path.join(ROOT, "data.json"))
+        with open(data, "w") as f:
+            json.dump(records, f)
+        print(f"{len(records)} samples of exactly {args.seq} tokens in {data} ({time.perf_counter() - start:.1f} s)", flush=True)
 
     found = json.loads(subprocess.run([sys.executable, __file__, "probe"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     gemm_text = f"{found['dense_gemm_tflops']:.0f} TFLOP/s" if found["dense_gemm_tflops"] else "not measured (no GPU)"
@@ -254,7 +258,7 @@ def run(args) -> None:
         "activation_checkpointing": ac, "fused_adamw": fused_adamw, "train_args": args.train_args,
         "date": date.today().isoformat(), "torch": found["torch"], "transformers": version("transformers"),
         "accelerate": version("accelerate"), "dense_gemm_tflops": found["dense_gemm_tflops"],
-        "script": args.script, "ep_size": args.ep_size or args.gpus, "launch_wall_s": launch_s,
+        "script": args.script, "ep_size": args.ep_size or args.gpus, "launch_wall_s": launch_s, "data": args.data or "synthetic",
     }
     metrics_path, summary_path = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "summary.json")
     steps = [json.loads(line) for line in open(metrics_path)] if os.path.isfile(metrics_path) else []
@@ -268,6 +272,18 @@ def run(args) -> None:
             (line for line in reversed(lines) if "Error" in line and "ChildFailedError" not in line), f"exit {returncode}")
         record.update(status="OOM" if oom else "error", error=last_error.strip()[:300], steps_done=len(steps))
         print("\n".join(lines[-40:]), flush=True)
+    elif args.data:  # real records: real tokens per second and the script's own MFU (attention over document spans)
+        real, slots, seconds = (sum(r[k] for r in measured) for k in ("tokens", "token_slots", "step_time_s"))
+        record.update(
+            status="ok", step_time_s=statistics.median(r["step_time_s"] for r in measured),
+            tokens_per_s_per_gpu=real / seconds / args.gpus, token_fill=real / slots,
+            mfu_script_formula=statistics.median(r["mfu"] for r in measured) if measured[0]["mfu"] is not None else None,
+            tflops_per_gpu_script_formula=statistics.median(r["tflops_per_device"] for r in measured),
+            steps_measured=len(measured), step_times_s=[r["step_time_s"] for r in steps], final_loss=steps[-1]["loss"],
+        )
+        source = json.load(open(summary_path)) if os.path.isfile(summary_path) else steps[-1]
+        if "peak_memory_allocated_gb" in source:
+            record.update(peak_allocated_gib=source["peak_memory_allocated_gb"], peak_reserved_gib=source["peak_memory_reserved_gb"])
     else:  # every step measured (the launch may still have failed or timed out later, in the final export)
         tokens_per_step = measured[0]["tokens"]
         if any(r["tokens"] != per_step * args.seq for r in measured):
@@ -320,6 +336,7 @@ def main() -> None:
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--optim", default="", help="Trainer's --optim (default adamw_torch_fused, as bench_moe --fused_adamw)")
     p.add_argument("--script", choices=sorted(CONFIG_NAMES), default="train_fsdp1.py")
+    p.add_argument("--data", default="", help="a data file to train on as it is (default: synthetic samples of exactly --seq tokens)")
     p.add_argument("--train_args", default="", help="more settings for the launched script, one string (appended last: they win)")
     p.add_argument("--name", default="", help="the record's config (default: fsdp1_ep or fsdp2_ep_script)")
     p.add_argument("--skip_export", action="store_true", help="stop the launch once every step is logged, before its final export")

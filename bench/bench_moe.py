@@ -6,7 +6,7 @@ Configurations (same global batch, same model width, bf16 compute with fp32 mast
   eager       FSDP2 over all ranks, transformers' experts with experts_implementation="eager"
   grouped_mm  FSDP2 over all ranks, transformers' experts with experts_implementation="grouped_mm"
   ep          ours: shard_moe (--ep, default all ranks) + parallelize (FSDP2 on the dense weights and the experts)
-  megablocks  the same with moe_backend="megablocks" (megablocks' dropless MoE + grouped_gemm; README)
+  megablocks  the same with moe_backend="megablocks" (megablocks' dropless MoE + grouped_gemm; docs/megablocks.md)
 Weights are random, created on the GPUs (no checkpoint). Appends one JSON line per run to --out.
 Configuration (d), FSDP1 + EP through HF Trainer (train_fsdp1.py itself), is bench/bench_fsdp1.py.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # train_fsdp1.py on N GPUs (NCCL; default 2) against train_fsdp2.py on the embedded tiny Mixtral:
-#  - fp32: equal step by step (criterion 1e-5 relative, README's equality bound; measured 4e-10 on 2 H200s);
+#  - fp32: equal step by step (criterion 1e-5 relative, the tests' equality bound; measured 4e-10 on 2 H200s);
 #  - resume from a mid-run Trainer checkpoint repeats the later losses;
 #  - bf16 (both with activation checkpointing, 20 steps, fused AdamW in both): per-step loss within 2e-3 relative.
 # Usage: bash bench/gpu_fsdp1_check.sh [OUT_DIR=/tmp/gpu_fsdp1] [NUM_PROCESSES=2]   (EP_SIZE=k to set ep; default all ranks)

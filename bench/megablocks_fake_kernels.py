@@ -10,7 +10,7 @@ megablocks' CUDA extension (sort, histogram, cumsum, replicate), its two Triton 
 grouped path (gather, scatter), grouped_gemm's ``gmm`` (with its contiguity and host-size checks), and
 ``triton`` itself (only so that megablocks and stk import). On CPU the experts' bf16 GEMMs would run
 as the per-expert loop; here ``gmm`` is forced so that its call is exercised too.
-The sdists folder holds megablocks-0.10.0.tar.gz and stanford_stk-0.7.1.tar.gz (README, "megablocks backend").
+The sdists folder holds megablocks-0.10.0.tar.gz and stanford_stk-0.7.1.tar.gz (docs/megablocks.md).
 """
 
 import importlib.metadata

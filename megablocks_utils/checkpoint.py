@@ -9,9 +9,12 @@ Layout of ``<output_dir>/checkpoints/step_00000120/``:
   config.json, tokenizer files   so the export command needs nothing but this directory
 
 A checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed once every rank has finished, so a
-directory without ``.tmp`` is always complete; a crash mid-save leaves only a ``.tmp`` behind.
+directory without ``.tmp`` is always complete; a crash mid-save leaves only a ``.tmp`` behind. A save
+that fails on any rank (a full disk above all) removes its ``.tmp`` and stops every rank with a
+CheckpointError naming the last complete checkpoint.
 """
 
+import errno
 import json
 import os
 import re
@@ -20,6 +23,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
@@ -27,10 +31,18 @@ STATE_NAME = "trainer_state.json"
 # Test hook: SIGKILL rank 0 after the shards of this step are written but before the rename, so
 # tests can prove a half-saved checkpoint is ignored on resume. Unset in normal use.
 KILL_IN_SAVE_ENV = "MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP"
+# Test hook: the last rank's writes of this step's checkpoint fail as on a full disk (ENOSPC): inside
+# DCP's own write path here, after Trainer's save in train_fsdp1.py. So tests can prove the failure
+# is reported and cleaned up. Unset in normal use.
+DISK_FULL_IN_SAVE_ENV = "MEGABLOCKS_TEST_DISK_FULL_AT_STEP"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with what to do about it."""
+
+
+# What a failed save can raise: DCP's CheckpointException (every rank's error) is a BaseException.
+SAVE_ERRORS = (Exception, dcp.CheckpointException)
 
 
 def describe_failure(e: BaseException) -> str:
@@ -79,25 +91,94 @@ def copy_model_files(source_dir: str, dest: str) -> None:
             shutil.copy(os.path.join(source_dir, name), dest)
 
 
+class _FullDiskWriter(FileSystemWriter):
+    """The DISK_FULL_IN_SAVE_ENV test hook: writing the shards fails as it does on a full disk."""
+
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether a save failed for want of space: ENOSPC anywhere in the error's chain (DCP wraps each
+    rank's error), or the short write torch's zip writer reports ("unexpected pos")."""
+    todo, seen = [e], set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple):  # DCP's (exception, traceback frames)
+            e = e[0]
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e) or "unexpected pos" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__, *(getattr(e, "failures", None) or {}).values()]
+    return False
+
+
+def stop_if_save_failed(error: BaseException | None, step: int, partial: str, list_complete, resume_flag: str) -> None:
+    """Collective, after each part of a save: if it failed on any rank, rank 0 removes the ``partial``
+    checkpoint directory and every rank raises the same CheckpointError, which says whether the disk
+    is full and names the last complete checkpoint (``list_complete()``, oldest first). A rank going on
+    alone would wait for the others forever. Used by both scripts' saves (DCP here, Trainer's in train_fsdp1.py).
+    """
+    found = None
+    if error is not None:  # DCP's error names the rank whose write failed
+        found = (next(iter(getattr(error, "failures", None) or {dist.get_rank(): None})), disk_full(error), describe_failure(error))
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, found)
+    failed = [e for e in errors if e is not None]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    rank, full, what = failed[0]
+    where = f" on rank {rank}" if dist.get_world_size() > 1 else ""
+    complete = list_complete()
+    last = f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint of this run is complete yet"
+    parent = os.path.dirname(partial)
+    if full:
+        free = shutil.disk_usage(parent).free / 2**30 if os.path.isdir(parent) else float("nan")
+        raise CheckpointError(
+            f"the disk is full: saving the checkpoint of step {step} to {partial} failed{where} ({what}; {free:.2f} GiB "
+            f"free there); removed the partial {os.path.basename(partial)}; {last}. Free space (or lower save_total_limit), "
+            f"then continue with {resume_flag}"
+        )
+    raise CheckpointError(
+        f"saving the checkpoint of step {step} to {partial} failed{where} ({what}); removed the partial "
+        f"{os.path.basename(partial)}; {last}; continue with {resume_flag} once the cause is fixed"
+    )
+
+
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_state: dict, keep_last: int, source_dir: str | None = None) -> str:
-    """Collective: every rank writes its shards; returns the final directory."""
+    """Collective: every rank writes its shards; returns the final directory.
+
+    Raises CheckpointError on every rank when any rank cannot write (see ``stop_if_save_failed``).
+    """
     rank = dist.get_rank()
     final = os.path.join(root, checkpoint_name(step))
     tmp = final + ".tmp"
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as e:
+            error = e
+    stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the others write
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    if rank == 0:
-        state = dict(trainer_state, step=step, world_size=dist.get_world_size(), scheduler=scheduler.state_dict())
-        with open(os.path.join(tmp, STATE_NAME), "w") as f:
-            json.dump(state, f, indent=1, default=_tensor_to_json)
-        if source_dir is not None:
-            copy_model_files(source_dir, tmp)
-    dist.barrier()
+    full_disk = os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(step) and rank == dist.get_world_size() - 1  # test hook
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, storage_writer=_FullDiskWriter(tmp) if full_disk else None)
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        if rank == 0:
+            state = dict(trainer_state, step=step, world_size=dist.get_world_size(), scheduler=scheduler.state_dict())
+            with open(os.path.join(tmp, STATE_NAME), "w") as f:
+                json.dump(state, f, indent=1, default=_tensor_to_json)
+            if source_dir is not None:
+                copy_model_files(source_dir, tmp)
+    except SAVE_ERRORS as e:  # DCP raises on every rank when one rank's write fails
+        error = e
+    stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the rename
     if rank == 0 and os.environ.get(KILL_IN_SAVE_ENV) == str(step):
         os.kill(os.getpid(), 9)
     if rank == 0:
@@ -123,9 +204,22 @@ def resolve_resume(resume: str, root: str) -> str | None:
     if resume == "auto":
         found = complete_checkpoints(root)
         return found[-1] if found else None
+    if not os.path.exists(resume):
+        raise CheckpointError(f"--resume {resume}: the directory does not exist; pass a step_XXXXXXXX directory of a run or 'auto'")
+    if not os.path.isdir(resume):
+        raise CheckpointError(f"--resume {resume} is a file, not a checkpoint directory; pass a step_XXXXXXXX directory or 'auto'")
     if not os.path.isfile(os.path.join(resume, STATE_NAME)):
         raise CheckpointError(f"{resume} is not a complete checkpoint (no {STATE_NAME}); pass a step_XXXXXXXX directory or 'auto'")
     return resume
+
+
+def checkpoint_step(path: str) -> int:
+    """The step a complete checkpoint was saved at (read from its state file alone)."""
+    try:
+        with open(os.path.join(path, STATE_NAME)) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot read the step from {os.path.join(path, STATE_NAME)} ({e}); resume from an earlier checkpoint") from e
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:

@@ -131,7 +131,14 @@ def resolve_shard_experts(setting, world_size: int, nproc_per_node: int) -> bool
 
 def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool, resuming: bool, resume_flag: str) -> list[str]:
     """Refuse an output directory that holds another run's ``results`` (glob patterns) unless told to
-    overwrite them or to resume that run; returns what was found."""
+    overwrite them or to resume that run; returns what was found. A path that is (or lies under) a
+    file is refused too: the run could write nothing there."""
+    path = os.path.abspath(output_dir)
+    while not os.path.exists(path) and os.path.dirname(path) != path:  # the nearest part that exists
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        what = "is a file" if path == os.path.abspath(output_dir) else f"lies inside {path}, which is a file"
+        raise InputError(f"output_dir {output_dir} {what}, not a directory; set output_dir to a directory path")
     found = sorted(
         os.path.basename(path) + ("/" if os.path.isdir(path) else "")
         for pattern in results

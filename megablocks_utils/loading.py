@@ -163,6 +163,11 @@ def check_model_dir(model_dir: str) -> tuple[int | None, str]:
     config.json of a supported MoE model, every safetensors file there and whole, and expert weights
     in a layout we know, complete in each layer. Reads only config.json, the index and file headers.
     """
+    if os.path.isfile(model_dir):
+        raise InputError(
+            f"model_name_or_path {model_dir!r} is a file, not a model directory; set it to the Hugging Face model "
+            "directory that holds config.json and the *.safetensors files"
+        )
     if not os.path.isdir(model_dir):
         raise InputError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local Hugging Face model directory")
     config_path = os.path.join(model_dir, "config.json")

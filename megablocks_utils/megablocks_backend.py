@@ -39,7 +39,7 @@ from .moe_layer import ExpertParallelExperts
 
 INSTALL_HINT = (
     "it builds only from source, on CUDA: `pip install --no-build-isolation --no-deps -r requirements-megablocks.txt` "
-    "with a torch CUDA build and its CUDA toolkit (README, 'megablocks backend', says which versions build and how "
+    "with a torch CUDA build and its CUDA toolkit (docs/megablocks.md says which versions build and how "
     "on CUDA 13); or use moe_backend='native'"
 )
 

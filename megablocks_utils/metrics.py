@@ -1,6 +1,6 @@
 """Throughput, MFU and memory numbers for the per-step JSONL and the end-of-run summary.
 
-FLOPs per trained token (stated in README):
+FLOPs per trained token (docs/metrics.md):
     6 * N_active + 12 * L * d_model * S
 N_active counts the weights a token passes through in matmuls: attention and norms, the router,
 top_k of the E experts of each layer, and the LM head (not the embedding lookup). The second

@@ -1,7 +1,7 @@
 """The model table: where each supported architecture keeps its MoE block, router and expert weights.
 
 One row per architecture. Everything else (the MoE layer, the loader, the exporter) reads this table
-instead of knowing model names, so adding a model means adding a row here (README: "Supported models").
+instead of knowing model names, so adding a model means adding a row here (docs/models.md).
 
 Two layouts of the same weights exist. transformers 5 holds a layer's experts fused
 (``model.layers.{l}.<block_attr>.experts.gate_up_proj`` [E, 2I, H], gate rows first, and ``down_proj``

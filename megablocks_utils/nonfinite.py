@@ -71,6 +71,19 @@ class NonFiniteSteps:
         return True
 
 
+def where_to_continue(bad_step: int, checkpoints: list[tuple[int, str]], resume_flag: str, save_flags: str) -> str:
+    """For the stop message: the newest complete checkpoint before the bad step, and how to go on from it.
+
+    ``checkpoints``: (step, path) of the complete checkpoints, oldest first; one of a later step is
+    another run's, left there when this one resumed from an earlier checkpoint.
+    """
+    found = [path for step, path in checkpoints if step < bad_step]
+    if not found:
+        return f"no checkpoint was saved before it ({save_flags} keeps some); rerun, with --nonfinite skip to skip such steps"
+    return (f"the last good checkpoint is {found[-1]}; continue with {resume_flag} {found[-1]} --nonfinite skip "
+            "(a resumed run repeats the same batches, so this step may fail again without skip)")
+
+
 def _at(env: str, step: int, rank: int, world_size: int) -> bool:
     return rank == world_size - 1 and str(step) in os.environ.get(env, "").split(",")
 

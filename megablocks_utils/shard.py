@@ -204,6 +204,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     moe_backend: str = "native",
     timeout: timedelta | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[nn.Module, MoEMesh]:
     """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``.
 
@@ -217,6 +218,6 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir)
     spec_for(config)  # fail early, with the list of supported models
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     mesh = shard_moe(model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
     return model, mesh

@@ -27,6 +27,15 @@ TINY_CONFIG = dict(
     tie_word_embeddings=False,
 )
 VOCAB_SIZE = 512
+# A plain ChatML-like template, so chat records (messages) run on the embedded model too. Its markers are
+# ordinary text, not added tokens (the vocabulary, and so every earlier checkpoint, stays as it was);
+# {% generation %} marks what the loss trains on: each assistant turn through its end-of-turn marker.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>{{ eos_token }}\n{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def train_tokenizer(data_path: str, vocab_size: int = VOCAB_SIZE):
@@ -42,11 +51,15 @@ def train_tokenizer(data_path: str, vocab_size: int = VOCAB_SIZE):
         vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
-def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: int = 3) -> None:
-    """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears)."""
+def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: int = 3, **config_overrides) -> None:
+    """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears).
+
+    ``config_overrides`` change TINY_CONFIG's sizes (bench/optim_quality.sh makes a mid-size model this way).
+    """
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from .export import hub_state_dict, write_shards
@@ -57,7 +70,7 @@ def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: in
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **TINY_CONFIG,
+        **{**TINY_CONFIG, **config_overrides},
     )
     torch.manual_seed(seed)
     model = MixtralForCausalLM(config)

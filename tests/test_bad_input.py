@@ -1,5 +1,5 @@
 """Bad input to train_fsdp2.py and train_fsdp1.py: one clear message from rank 0, a non-zero exit on every
-rank within seconds, and nothing of an earlier run overwritten (README "Bad input").
+rank within seconds, and nothing of an earlier run overwritten (docs/errors.md).
 
 Most cases are caught before the process group and the model (the checks come before the launch
 check), so they run the script as `python <script>` on one process, forked from this one after the
@@ -152,12 +152,12 @@ def break_expert(expert):
 
 # name: (make the arguments, what the message says). Caught before the process group: one plain process.
 EARLY_CASES = {
-    "data file missing": (lambda tmp, model: ["--data_path", str(tmp / "nope.json")], "nope.json' does not exist; set data_path to an alpaca-format JSON file"),
+    "data file missing": (lambda tmp, model: ["--data_path", str(tmp / "nope.json")], "nope.json' does not exist; set data_path to a JSON list, JSONL, parquet, or a directory written by datasets' save_to_disk"),
     "data not JSON": (data_file("{oops"), "data.json is not valid JSON (Expecting property name"),
     "data not a list": (data_file('{"instruction": "a", "output": "b"}'), "data.json holds an object, not a list; wrap the records in [ ... ]"),
     "record without instruction": (data_file('[{"instruction": "a", "output": "b"}, {"output": "c"}]'), "record 1 has no 'instruction' field; every record needs instruction and output"),
     "field not a string": (data_file('[{"instruction": "a", "input": 3, "output": "b"}]'), "record 0 field 'input' is a number, not a string; fix the record"),
-    "no records": (data_file("[]"), "data.json holds no records; add alpaca records to train on"),
+    "no records": (data_file("[]"), "data.json holds no records; add records to train on"),
     "model dir missing": (lambda tmp, model: ["--model_name_or_path", str(tmp / "nope")], "nope' does not exist; set model_name_or_path to a local Hugging Face model directory"),
     "no config.json": (model_copy(remove("config.json")), "has no config.json, so it is not a Hugging Face model directory"),
     "no safetensors": (model_copy(remove("*.safetensors", "*.index.json")), "no model.safetensors.index.json or model.safetensors in"),
@@ -186,13 +186,20 @@ EARLY_CASES = {
     "no tokenizer files": (model_copy(remove("tokenizer.json", "tokenizer_config.json")), "has no tokenizer files (none of tokenizer.json, "),
     "unknown setting": (lambda tmp, model: ["--ep_sise", "2"], "unknown setting --ep_sise (did you mean --ep_size?); valid settings: "),
     "unknown LR scheduler": (lambda tmp, model: ["--lr_scheduler_type", "cosinus"], {
-        "train_fsdp2.py": "lr_scheduler_type='cosinus' is unknown; choose one of linear, cosine,",
+        "train_fsdp2.py": "--lr_scheduler_type cosinus is unknown; choose one of linear, cosine,",
         "train_fsdp1.py": "argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'cosinus'",
     }),
     "setting of the wrong type": (lambda tmp, model: ["--max_steps", "ten"], {
         "train_fsdp2.py": "--max_steps expects an integer, got 'ten'",
         "train_fsdp1.py": "argument --max_steps/--max-steps: invalid int value: 'ten'; fix the TrainingArguments flag",
     }),
+    # Out of range (megablocks_utils/settings.py RULES; TrainingArguments' names in train_fsdp1.py too).
+    "batch size 0": (lambda tmp, model: ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 is out of range; give an integer > 0"),
+    "accumulation 0": (lambda tmp, model: ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0 is out of range; give an integer > 0"),
+    "learning rate nan": (lambda tmp, model: ["--learning_rate", "nan"], "--learning_rate nan is not a finite number; give a number > 0"),
+    "negative save_steps": (lambda tmp, model: ["--save_steps", "-3"], "--save_steps -3 is out of range; give "),
+    "warmup_ratio 1.5": (lambda tmp, model: ["--warmup_ratio", "1.5"], "--warmup_ratio 1.5 is out of range; give a number in [0, 1)"),
+    "max_steps 0": (lambda tmp, model: ["--max_steps", "0"], "--max_steps 0 is out of range; give -1 (num_train_epochs over the data) or an integer > 0"),
 }
 
 
@@ -273,7 +280,7 @@ def test_every_sample_longer_than_max_length(tiny_model_dir, tmp_path, script):
     earlier_run(out)
     result = launch(script, 1, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
                     "--overwrite_output_dir", "true", "--max_length", "8")
-    assert_one_message(result, "is longer than max_length=8 before its response starts (shortest prompt:")
+    assert_one_message(result, "has a label token within max_length=8 (every prompt is longer, or every record is empty)")
     assert "raise max_length" in result.stderr
     assert_earlier_run_intact(out)
 

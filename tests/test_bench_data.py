@@ -18,7 +18,7 @@ def test_synthetic_samples_are_exactly_seq_tokens_after_truncation(tiny_model_di
     seq = 512
     records = synthetic_alpaca(tokenizer, seq, 6, os.path.join(ROOT, "data.json"))
     (tmp_path / "data.json").write_text(json.dumps(records))
-    dataset, dropped = build_dataset(str(tmp_path / "data.json"), tokenizer, seq)  # what train_fsdp1.py does
+    dataset, dropped, _ = build_dataset(str(tmp_path / "data.json"), tokenizer, seq)  # what train_fsdp1.py does
     assert dropped == 0 and len(dataset) == 6
     assert len({tuple(s["input_ids"]) for s in dataset}) == 6  # distinct samples
     batch = collate([dataset[i] for i in range(6)], tokenizer.pad_token_id, "cpu")

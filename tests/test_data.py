@@ -1,5 +1,6 @@
 """Alpaca formatting, prompt masking and batching."""
 
+import copy
 import json
 import os
 
@@ -14,7 +15,12 @@ from megablocks_utils.data import (
     build_dataset,
     format_prompt,
     read_alpaca,
+    read_records,
+    split_eval,
+    tokenize_chat,
+    tokenize_prompt_completion,
     tokenize_record,
+    tokenize_text,
 )
 from megablocks_utils.loss import IGNORE_INDEX
 
@@ -76,7 +82,7 @@ def test_fewer_samples_than_one_step_is_an_error():
 
 
 def test_global_batch_does_not_depend_on_world_size(tiny_model_dir, tokenizer):
-    dataset, _ = build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 256)
+    dataset = build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 256)[0]
     one = GlobalBatches(dataset, 4, 2, 1, 0, seed=1)
     two = [GlobalBatches(dataset, 2, 2, 2, r, seed=1) for r in range(2)]
     for step in (0, 1, one.steps_per_epoch + 1):
@@ -85,3 +91,98 @@ def test_global_batch_does_not_depend_on_world_size(tiny_model_dir, tokenizer):
         assert all(t == tokens for _, t in parts)
         for m in range(2):
             assert sorted(mine[m]) == sorted(parts[0][0][m] + parts[1][0][m])
+
+
+# ----------------------------------------------------------------------------- formats and file kinds
+CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                     {"role": "assistant", "content": "It is 4."}, {"role": "user", "content": "And 3+3?"},
+                     {"role": "assistant", "content": "Six."}]}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("record, fmt", [
+    ({"instruction": "a", "output": "b"}, "alpaca"),
+    (CHAT, "chat"),
+    ({"prompt": "Q: 2+2?\nA:", "completion": " 4"}, "prompt_completion"),
+    ({"text": "Plain text to learn."}, "text"),
+])
+def test_format_is_detected_from_the_records(tmp_path, record, fmt):
+    assert read_records(write_jsonl(tmp_path / "d.jsonl", [record, record]))[1] == fmt
+
+
+def test_chat_labels_are_the_assistant_turns_only(tokenizer):
+    sample = tokenize_chat(CHAT, tokenizer, 512)
+    trained = tokenizer.decode([t for t in sample["labels"] if t != IGNORE_INDEX])
+    assert trained == "It is 4.<|im_end|></s>\nSix.<|im_end|></s>\n"
+    assert sample["labels"][0] == IGNORE_INDEX and "What is 2+2?" not in trained
+
+
+def test_chat_without_generation_markers_locates_the_same_turns(tokenizer):
+    """Templates without {% generation %} (Mixtral's own) go through the prefix rendering: same labels."""
+    marked = tokenize_chat(CHAT, tokenizer, 512)
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert tokenize_chat(CHAT, plain, 512) == marked
+
+
+def test_prompt_completion_and_text_masks(tokenizer):
+    pc = tokenize_prompt_completion({"prompt": "Q: 2+2?\nA:", "completion": " 4"}, tokenizer, 512)
+    assert tokenizer.decode([t for t in pc["labels"] if t != IGNORE_INDEX]) == " 4</s>"
+    text = tokenize_text({"text": "Plain text."}, tokenizer, 512)
+    assert text["labels"][1:] == text["input_ids"][1:] and text["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_chat_data_needs_a_chat_template(tmp_path, tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(DataError, match="has no chat template"):
+        build_dataset(write_jsonl(tmp_path / "c.jsonl", [CHAT]), plain, 256, source="my-model")
+
+
+def test_json_jsonl_parquet_and_save_to_disk_give_the_same_samples(tmp_path, tokenizer):
+    from datasets import Dataset, DatasetDict
+
+    records = [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(6)]
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    write_jsonl(tmp_path / "d.jsonl", records)
+    Dataset.from_list(records).to_parquet(str(tmp_path / "d.parquet"))
+    Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    DatasetDict({"train": Dataset.from_list(records)}).save_to_disk(str(tmp_path / "dict"))
+    paths = ["d.json", "d.jsonl", "d.parquet", "saved", "dict"]
+    got = [build_dataset(str(tmp_path / p), tokenizer, 64)[0]["input_ids"] for p in paths]
+    assert all(g == got[0] for g in got) and len(got[0]) == 6
+
+
+@pytest.mark.parametrize("content, message", [
+    ('[{"messages": []}]', "record 0 field 'messages' is a list, not a non-empty list"),
+    ('[{"messages": [{"role": "user", "content": "hi"}]}]', "record 0 has no assistant message"),
+    ('[{"messages": [{"role": "user"}]}]', "record 0 message 0 is not an object with string 'role' and 'content'"),
+    ('[{"prompt": "a", "completion": "b"}, {"prompt": "c"}]', "record 1 has no 'completion' field"),
+    ('[{"text": 5}]', "record 0 field 'text' is a number, not a string"),
+    ('[{"question": "a"}]', "record 0 has none of the fields of a known format"),
+    ('{"text": "a"}\n{"text": "b"}\n{"text": \n', "line 3 is not valid JSON"),
+])
+def test_bad_records_of_every_format_are_named(tmp_path, content, message):
+    path = tmp_path / "data.json"
+    path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        read_records(str(path))
+
+
+def test_a_datasetdict_without_train_split_is_named(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"test": Dataset.from_list([{"text": "a"}])}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DataError, match="without a 'train' split"):
+        read_records(str(tmp_path / "dict"))
+
+
+def test_eval_split_is_fixed_and_disjoint():
+    records = [{"text": str(i)} for i in range(50)]
+    train, held = split_eval(records, 0.1, seed=3)
+    assert len(held) == 5 and len(train) == 45 and not {r["text"] for r in held} & {r["text"] for r in train}
+    assert split_eval(records, 0.1, seed=3) == (train, held)

@@ -1,4 +1,4 @@
-"""README's two-node torchrun command, as two torchrun agents on this machine (c10d rendezvous on
+"""The two-node torchrun command of docs/multinode.md, as two torchrun agents on this machine (c10d rendezvous on
 localhost, one rank each): the same run as one node with two ranks."""
 
 import json
@@ -40,7 +40,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def run_two_nodes(log_dir: str, *args: str, timeout: float = 300) -> None:
-    """README's command on two "nodes": two torchrun agents meeting at a c10d rendezvous on localhost."""
+    """docs/multinode.md's command on two "nodes": two torchrun agents meeting at a c10d rendezvous on localhost."""
     endpoint = f"localhost:{free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     agents, logs = [], []

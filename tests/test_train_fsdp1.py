@@ -2,6 +2,7 @@
 train_fsdp2.py and one process step by step, resumes exactly; FSDP1's clipped norm is the global one."""
 
 import copy
+import glob
 import json
 import os
 import re
@@ -76,7 +77,7 @@ def runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory):
     )
     accelerate_launch(
         readme_command(), *model, "--output_dir", out["one"], *STEPS, "--ep_size", "1", "--per_device_train_batch_size", "4",
-        num_processes=1,
+        "--report_to", "tensorboard", num_processes=1,
     )
     return {"stdout": result.stdout, "tmp": tmp, "model": model, **out}
 
@@ -179,6 +180,17 @@ def test_plot_command_draws_a_trainer_run(runs):
     result = plot_command(runs["fsdp1"], "--out_dir", out)
     assert result.returncode == 0, result.stderr
     assert_real_pictures(out)
+
+
+def test_report_to_tensorboard_is_trainers(runs):
+    """--report_to tensorboard goes to Trainer's own callback: its event files under output_dir/runs/."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (log_dir,) = glob.glob(os.path.join(runs["one"], "runs", "*"))
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("train/grad_norm")] == [1, 2, 3, 4]
 
 
 def test_launch_without_accelerate_fsdp_config_stops(tiny_model_dir, tmp_path):

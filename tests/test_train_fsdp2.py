@@ -9,7 +9,7 @@ import torch
 from conftest import read_jsonl, run_script, standard_args, train_fsdp2
 
 RECORD_FIELDS = {
-    "step", "loss", "ce_loss", "aux_loss", "lr", "grad_norm", "tokens", "tokens_per_second",
+    "step", "loss", "ce_loss", "aux_loss", "lr", "grad_norm", "tokens", "token_slots", "tokens_per_second",
     "tokens_per_second_per_device", "tflops_per_device", "mfu", "step_time_s", "peak_rss_gb",
     "tokens_per_expert_max", "tokens_per_expert_mean", "tokens_per_expert",
 }
@@ -28,7 +28,11 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "run")
-    result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing", "true")
+    # (the schedule's settings ride along: warmup_ratio 0.1 of 24 steps = 3 warmup steps, then a cosine down to 10%)
+    result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing",
+                   "--report_to", "tensorboard", "--peak_tflops", "1",
+                   "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr_rate", "0.1", "--warmup_ratio", "0.1",
+                   "--eval_split", "0.05", "--eval_steps", "12")
     assert "summary: train_runtime=" in result.stdout
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 25))
@@ -36,13 +40,59 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
         assert RECORD_FIELDS <= set(r), RECORD_FIELDS - set(r)
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
         assert len(r["tokens_per_expert"]) == 4 and len(r["tokens_per_expert"][0]) == 8
+    peak = 2e-3
+    assert [r["lr"] for r in records[:3]] == pytest.approx([peak / 3, 2 * peak / 3, peak])
+    assert records[-1]["lr"] == pytest.approx(0.1 * peak)
     first = sum(r["loss"] for r in records[:4]) / 4
     last = sum(r["loss"] for r in records[-4:]) / 4
     assert last < first - 0.5, (first, last)
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert SUMMARY_FIELDS <= set(summary)
+    assert sum(r["tokens"] for r in records) / sum(r["token_slots"] for r in records) > 0.9  # packed rows
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
+    # the eval loss at steps 12 and 24; the last one equals plain transformers' on the exported model
+    assert [r["step"] for r in records if "eval_loss" in r] == [12, 24]
+    assert records[-1]["eval_loss"] == summary["eval_loss"] == pytest.approx(reference_eval_loss(model, tiny_model_dir), rel=1e-5)
+    assert_tensorboard_scalars(os.path.join(out, "runs"), records)
+
+
+def reference_eval_loss(model, tiny_model_dir):
+    """The mean loss over the held-out 5% of data.json, one record at a time, with no packing and no EP."""
+    from conftest import ROOT
+    from transformers import AutoTokenizer
+
+    from megablocks_utils.data import build_dataset, collate, tokenize_records
+    from megablocks_utils.loss import causal_lm_loss_sum, count_label_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    held, fmt = build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 256, eval_split=0.05, seed=42)[2]
+    samples = tokenize_records(held, fmt, tokenizer, 256, "eval")[0]
+    total = count = 0
+    with torch.no_grad():
+        for sample in samples:
+            batch = collate([sample], tokenizer.pad_token_id, "cpu")
+            total += float(causal_lm_loss_sum(model(input_ids=batch["input_ids"]).logits, batch["labels"]))
+            count += count_label_tokens(batch["labels"])
+    return total / count
+
+
+def assert_tensorboard_scalars(log_dir, records):
+    """--report_to tensorboard: the records' numbers as scalars (rank 0 only: one event file)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(os.listdir(log_dir)) == 1, os.listdir(log_dir)
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    layers = [f"expert_load_max_over_mean/layer_{i}" for i in range(len(records[0]["tokens_per_expert"]))]
+    tags = ["train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second", "train/mfu", *layers]
+    assert set(tags) <= set(events.Tags()["scalars"]), events.Tags()["scalars"]
+    for tag in tags:
+        assert [e.step for e in events.Scalars(tag)] == [r["step"] for r in records], tag
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    load = [r["tokens_per_expert_max"][0] / r["tokens_per_expert_mean"][0] for r in records]
+    assert [e.value for e in events.Scalars(layers[0])] == pytest.approx(load, rel=1e-6)
+    assert all(v >= 1 for v in load)
 
 
 @pytest.mark.parametrize("nproc,dp_args", [
