@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from conftest import read_jsonl
 
-# What train_fsdp2.py uses (its settings and optimizer call), for the run in conftest's one_rank_run.
-LEARNING_RATE, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 2e-3, (0.9, 0.95), 1e-8, 0.0, 1.0
-MAX_LENGTH, SEED = 256, 42
+# What train_fsdp2.py uses by default (its settings block), checked against the run's settings.json.
+DEFAULTS = {"learning_rate": 2e-3, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-8, "weight_decay": 0.0,
+            "max_grad_norm": 1.0, "max_length": 256, "seed": 42, "lr_scheduler_type": "cosine", "packing": True,
+            "router_aux_loss_coef": -1.0, "activation_checkpointing": "full"}
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
@@ -22,39 +23,48 @@ def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-def plain_transformers_losses(model_dir: str, data_path: str, steps: int, micro_batch: int, grad_accum: int, warmup: int) -> list[dict]:
-    """One process, no package code but the data's definition (GlobalBatches, collate)."""
+def plain_transformers_losses(model_dir: str, data_path: str, s: dict) -> list[dict]:
+    """One process, the stock model and torch's AdamW; no package code but the data's definition (the
+    dataset, its packed rows, GlobalBatches, collate)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from megablocks_utils.data import GlobalBatches, build_dataset, collate
+    from megablocks_utils.packing import pack_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset, _ = build_dataset(data_path, tokenizer, MAX_LENGTH)
-    batches = GlobalBatches(dataset, micro_batch, grad_accum, world_size=1, rank=0, seed=SEED)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dataset = pack_dataset(build_dataset(data_path, tokenizer, s["max_length"])[0], s["max_length"], s["seed"])
+    steps, grad_accum = s["max_steps"], s["gradient_accumulation_steps"]
+    batches = GlobalBatches(dataset, s["per_device_train_batch_size"], grad_accum, world_size=1, rank=0, seed=s["seed"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=s["attn_implementation"])
     model.train()
-    coef = model.config.router_aux_loss_coef
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, warmup, steps))
+    config = model.config
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s["learning_rate"], betas=(s["adam_beta1"], s["adam_beta2"]),
+                                  eps=s["adam_epsilon"], weight_decay=s["weight_decay"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(step, int(s["warmup_steps"]), steps))
     records = []
     for step in range(steps):
         micro_batches, label_tokens = batches.micro_batches(step)
         ce_total, aux_total = 0.0, 0.0
         for indices in micro_batches:
             batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, "cpu")
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+            # Packed rows: per-document position_ids and no mask, so transformers keeps the documents apart.
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                        output_router_logits=True, use_cache=False)
             logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+            # transformers' own load-balancing loss, over the real tokens (not a row's padding at its end)
+            aux = load_balancing_loss_func(out.router_logits, config.num_local_experts, config.num_experts_per_tok, batch["real"])
             # The step's loss: CE summed over all its label tokens / their count, plus the micro-steps' mean aux loss.
-            (ce / label_tokens + coef * out.aux_loss / len(micro_batches)).backward()
+            (ce / label_tokens + config.router_aux_loss_coef * aux / grad_accum).backward()
             ce_total += float(ce.detach())
-            aux_total += float(out.aux_loss.detach()) / len(micro_batches)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            aux_total += float(aux.detach()) / grad_accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s["max_grad_norm"])
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        records.append({"step": step + 1, "loss": ce_total / label_tokens + coef * aux_total, "grad_norm": float(grad_norm),
-                        "lr": scheduler.get_last_lr()[0]})
+        records.append({"step": step + 1, "loss": ce_total / label_tokens + config.router_aux_loss_coef * aux_total,
+                        "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
     return records
 
 
@@ -63,15 +73,12 @@ def test_one_rank_equals_a_plain_transformers_loop(one_rank_run, tiny_model_dir,
     differs moves them by far more (the learning rate changes every step, and the norm is above 1)."""
     with open(os.path.join(one_rank_run, "settings.json")) as f:
         used = json.load(f)
-    assert (used["learning_rate"], used["weight_decay"], used["max_grad_norm"], used["max_length"], used["seed"]) == (
-        LEARNING_RATE, WEIGHT_DECAY, MAX_GRAD_NORM, MAX_LENGTH, SEED)
-    assert used["activation_checkpointing"] == "full" and used["lr_scheduler_type"] == "cosine" and used["dtype"] in ("auto", "fp32")
+    assert {k: used[k] for k in DEFAULTS} == DEFAULTS
+    assert used["dtype"] in ("auto", "fp32") and used["warmup_ratio"] == 0 and used["gradient_accumulation_steps"] >= 2
     script = read_jsonl(os.path.join(one_rank_run, "metrics.jsonl"))
-    expected = plain_transformers_losses(tiny_model_dir, small_data, used["max_steps"], used["per_device_train_batch_size"],
-                                         used["gradient_accumulation_steps"], used["warmup_steps"])
+    expected = plain_transformers_losses(tiny_model_dir, small_data, used)
     assert len(script) == len(expected) == used["max_steps"] >= 4, (len(script), len(expected))
-    assert used["gradient_accumulation_steps"] >= 2
-    assert any(r["grad_norm"] > MAX_GRAD_NORM for r in expected)  # the clip is exercised
+    assert any(r["grad_norm"] > used["max_grad_norm"] for r in expected)  # the clip is exercised
     for got, want in zip(script, expected):
         assert got["step"] == want["step"]
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])

@@ -33,9 +33,9 @@ RECORD_FIELDS = {
     "tokens_per_expert_max", "tokens_per_expert_mean", "tokens_per_expert",
 }
 SUMMARY_FIELDS = {"train_runtime", "train_steps_per_second", "train_tokens_per_second", "peak_rss_gb"}
-# conftest's standard runs: 4 steps of 2 micro-steps; 2 ranks x 2 samples = 1 rank x 4 samples per
-# micro-step. With 50 samples an epoch has 3 steps: step 4 is in the second epoch, and checkpoint-2 is in
-# the middle of the first.
+# conftest's standard runs: 4 steps of 2 micro-steps; 2 ranks x 2 rows = 1 rank x 4 rows per micro-step.
+# An epoch of conftest's small_data has 3 steps: step 4 is in the second epoch, and checkpoint-2 is in the
+# middle of the first.
 STEPS = TRAIN_STEPS
 
 
