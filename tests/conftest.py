@@ -141,12 +141,12 @@ def every_rank_failed(stderr: str, world_size: int) -> dict[int, int]:
 
 # ----------------------------------------------------------------------------- shared runs
 # The standard train_fsdp2.py runs, launched once per session and read by several test files (a launch
-# costs ~15 s of start-up on 2 cores; steps cost little). 180 samples pack into 52 rows of 256 tokens:
-# an epoch is 3 steps of 16 rows, so step 4 is in the second epoch. Tests that launch a variant add their
+# costs ~15 s of start-up on 2 cores; steps cost little). 90 samples pack into 27 rows of 256 tokens:
+# an epoch is 3 steps of 8 rows, so step 4 is in the second epoch. Tests that launch a variant add their
 # flags to standard_args.
 TRAIN_STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
 STANDARD_STEPS = [*TRAIN_STEPS, "--save_steps", "2"]
-NUM_SAMPLES = 180
+NUM_SAMPLES = 90
 TWO_RANK_ARGS = ["--ep_size", "2", "--per_device_train_batch_size", "2", "--activation_checkpointing", "full"]
 
 
