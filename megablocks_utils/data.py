@@ -60,25 +60,26 @@ def _json_kind(value) -> str:
 
 
 def _load_json(path: str) -> list:
-    """A JSON list, or JSONL: one JSON object per line (tried when the file is not one JSON value)."""
+    """A JSON list, or JSONL: one JSON object per line (a .jsonl file, or a file that is not one JSON value)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e}); it must be {FILE_KINDS}") from e
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as whole:
-        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-        if len(lines) < 2 or not lines[0][1].lstrip().startswith("{"):
-            raise DataError(f"{path} is not valid JSON ({whole}); it must be a JSON list of records, or JSONL") from whole
-        records = []
-        for n, line in lines:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n} is not valid JSON ({e}); JSONL holds one JSON object per line") from e
-        return records
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not path.endswith(".jsonl"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as whole:
+            if len(lines) < 2 or not lines[0][1].lstrip().startswith("{"):
+                raise DataError(f"{path} is not valid JSON ({whole}); it must be a JSON list of records, or JSONL") from whole
+    records = []
+    for n, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n} is not valid JSON ({e}); JSONL holds one JSON object per line") from e
+    return records
 
 
 def _load_with_datasets(path: str) -> list:

@@ -120,3 +120,20 @@ def test_ranks_equal_one_rank(request, tiny_model_dir, small_data, tmp_path, one
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
+
+
+def test_chat_jsonl_with_a_parquet_eval_set_trains(tiny_model_dir, tmp_path):
+    """The other formats end to end: chat records from JSONL (the embedded model's chat template), the eval
+    loss from prompt/completion records in parquet, packing off."""
+    from datasets import Dataset
+
+    turns = [{"messages": [{"role": "user", "content": f"Add {i} and {i}."}, {"role": "assistant", "content": f"{2 * i}."}]}
+             for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+    Dataset.from_list([{"prompt": f"Add {i} and 1.", "completion": f" {i + 1}."} for i in range(6)]).to_parquet(str(tmp_path / "eval.parquet"))
+    out = str(tmp_path / "run")
+    result = train(tiny_model_dir, out, 1, "--data_path", str(tmp_path / "chat.jsonl"), "--eval_data_path",
+                   str(tmp_path / "eval.parquet"), "--max_steps", "3", "--packing", "false")
+    assert "40 chat samples" in result.stdout and "eval: 6 samples" in result.stdout
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert len(records) == 3 and math.isfinite(records[-1]["eval_loss"]) and "eval_loss" not in records[0]
