@@ -241,7 +241,8 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
             dcp.load({"model": target}, checkpoint_id=dcp_dir, no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
             raise CheckpointError(f"the checkpoint {checkpoint_dir} is corrupt or truncated ({describe_failure(e)})") from e
-        return {n: t.to(dtype) if dtype is not None else t for n, t in target.items()}
+        # The routers' selection bias stays fp32, as transformers keeps it.
+        return {n: t if dtype is None or _is_score_bias(n, spec) else t.to(dtype) for n, t in target.items()}
 
     tmp_dir = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp_dir, ignore_errors=True)
