@@ -65,6 +65,15 @@ def check_megablocks(device_type: str | None = None) -> None:
         )
 
 
+def check_megablocks_model(spec) -> None:
+    """megablocks' GLU has no expert biases, clamped SwiGLU or transposed/interleaved weights (gpt-oss)."""
+    if spec.expert_bias or spec.expert_act is not None or spec.experts_transposed or spec.gate_up_interleaved:
+        raise ValueError(
+            f"moe_backend='megablocks' does not support {spec.model_type}: its experts have biases and a clamped SwiGLU "
+            "on transposed, interleaved weights, which megablocks' GLU does not compute; use moe_backend='native'"
+        )
+
+
 def _dropless_mlp(num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, mesh: MoEMesh, act_fn) -> nn.Module:
     """megablocks' ``ParallelDroplessMLP`` for one layer, without its own expert weights."""
     if intermediate_size * num_experts < 128:

@@ -36,6 +36,10 @@ TINY_EXTRAS = {
         num_local_experts=4, shared_intermediate_size=24, embedding_multiplier=2.0, logits_scaling=1.5,
         residual_multiplier=0.7, attention_multiplier=0.2,
     ),
+    # gpt-oss: a sliding-window layer (window 4 < the tests' sequences) and a full one; limit 0.2 so the clamp bites (about a fifth of the tiny model's projections)
+    "gpt_oss": dict(
+        num_local_experts=4, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.2
+    ),
 }
 ARCHITECTURES = sorted(TINY_EXTRAS)
 
