@@ -1,7 +1,10 @@
-"""Both training scripts take a non-Mixtral model from the table (Qwen2-MoE, with its shared expert)."""
+"""Both training scripts take non-Mixtral models from the table (Qwen2-MoE, with its shared expert; gpt-oss,
+with expert biases, its clamped SwiGLU and sliding-window attention with sinks)."""
 
 import json
 import os
+
+import pytest
 
 from conftest import ROOT, read_jsonl, run_script, tiny_moe_config
 from test_train_fsdp1 import accelerate_launch, assert_same_steps, readme_command
@@ -26,14 +29,20 @@ def make_model_dir(path: str, data_path: str, model_type: str) -> None:
     tokenizer.save_pretrained(path)
 
 
-def test_qwen2_moe_trains_the_same_in_both_scripts(tmp_path):
-    """train_fsdp1 wraps Qwen2MoeDecoderLayer (not accelerate.yaml's Mixtral class) and equals train_fsdp2."""
+# gpt-oss has no sdpa attention in transformers; train_fsdp1 leaves the choice to transformers (eager for it).
+ATTENTION = {"gpt_oss": ["--attn_implementation", "eager"]}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss"])
+def test_model_trains_the_same_in_both_scripts(tmp_path, model_type):
+    """train_fsdp1 wraps the model's decoder layer class (not accelerate.yaml's Mixtral class) and equals train_fsdp2."""
     with open(os.path.join(ROOT, "data.json")) as f:
-        (tmp_path / "data.json").write_text(json.dumps(json.load(f)[:16]))
-    model_dir = str(tmp_path / "tiny-qwen2-moe")
-    make_model_dir(model_dir, str(tmp_path / "data.json"), "qwen2_moe")
+        (tmp_path / "data.json").write_text(json.dumps(json.load(f)[:40]))
+    model_dir = str(tmp_path / f"tiny-{model_type}")
+    make_model_dir(model_dir, str(tmp_path / "data.json"), model_type)
     model = ["--model_name_or_path", model_dir, "--data_path", str(tmp_path / "data.json"), "--ep_size", "2"]
-    fsdp2 = run_script("train_fsdp2.py", 2, *model, "--output_dir", str(tmp_path / "fsdp2"), *STEPS)
+    attention = ATTENTION.get(model_type, [])
+    fsdp2 = run_script("train_fsdp2.py", 2, *model, *attention, "--output_dir", str(tmp_path / "fsdp2"), *STEPS)
     assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
     accelerate_launch(readme_command(), *model, "--output_dir", str(tmp_path / "fsdp1"), *STEPS)
     fsdp1_records = read_jsonl(str(tmp_path / "fsdp1" / "metrics.jsonl"))
