@@ -3,6 +3,8 @@ with expert biases, its clamped SwiGLU and sliding-window attention with sinks).
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,10 +44,23 @@ def test_model_trains_the_same_in_both_scripts(tmp_path, model_type):
     make_model_dir(model_dir, str(tmp_path / "data.json"), model_type)
     model = ["--model_name_or_path", model_dir, "--data_path", str(tmp_path / "data.json"), "--ep_size", "2"]
     attention = ATTENTION.get(model_type, [])
-    fsdp2 = run_script("train_fsdp2.py", 2, *model, *attention, "--output_dir", str(tmp_path / "fsdp2"), *STEPS)
+    fsdp2 = run_script("train_fsdp2.py", 2, *model, *attention, "--output_dir", str(tmp_path / "fsdp2"), *STEPS, "--save_steps", "2")
     assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
     accelerate_launch(readme_command(), *model, "--output_dir", str(tmp_path / "fsdp1"), *STEPS)
     fsdp1_records = read_jsonl(str(tmp_path / "fsdp1" / "metrics.jsonl"))
     fsdp2_records = read_jsonl(str(tmp_path / "fsdp2" / "metrics.jsonl"))
     assert len(fsdp2_records) == 2
     assert_same_steps(fsdp1_records, fsdp2_records, rel=1e-5)
+    # The export command on the last checkpoint writes the model the run itself exported (the model's own
+    # expert layout, biases included, through DCP and back).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "exported")
+    ckpt = str(tmp_path / "fsdp2" / "checkpoints" / "step_00000002")
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, out], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.tensor([[1, 7, 42, 9, 3, 25]])
+    exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")(ids).logits
+    final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp2" / "final"), attn_implementation="eager")(ids).logits
+    torch.testing.assert_close(exported, final, rtol=0, atol=0)
