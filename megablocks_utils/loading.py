@@ -162,10 +162,10 @@ def missing_expert_names(names: list[str], spec: MoESpec, layout: str, num_exper
             wanted += spec.fused_names(layer)
         elif spec.hub_stacked is not None:
             wanted += spec.hub_stacked_names(layer)
-        if spec.expert_bias:  # stored under the fused names in either layout (gpt-oss's hub layout is fused)
-            wanted += spec.fused_bias_names(layer)
         else:
             wanted += [name for e in range(num_experts) for name in spec.hub_expert_names(layer, e)]
+        if spec.expert_bias:  # stored under the fused names in either layout (gpt-oss's hub layout is fused)
+            wanted += spec.fused_bias_names(layer)
     return [name for name in wanted if name not in present]
 
 

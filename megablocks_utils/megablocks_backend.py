@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .mesh import MoEMesh
+from .models import MoESpec
 from .moe_layer import ExpertParallelExperts
 
 INSTALL_HINT = (
@@ -65,7 +66,7 @@ def check_megablocks(device_type: str | None = None) -> None:
         )
 
 
-def check_megablocks_model(spec) -> None:
+def check_megablocks_model(spec: MoESpec) -> None:
     """megablocks' GLU has no expert biases, clamped SwiGLU or transposed/interleaved weights (gpt-oss)."""
     if spec.expert_bias or spec.expert_act is not None or spec.experts_transposed or spec.gate_up_interleaved:
         raise ValueError(

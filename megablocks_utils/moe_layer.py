@@ -169,7 +169,7 @@ class ExpertParallelExperts(nn.Module):
             self.act_fn = ACT2FN[act_fn]
             self.clamped_swiglu = None
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
-        self.cast_cache = None  # {dtype: (gate_up, down)} while inside ``reuse_expert_casts``
+        self.cast_cache = None  # {dtype: expert_tensors() cast} while inside ``reuse_expert_casts``
         self.is_silu = act_fn == "silu" and not interleaved
         self.compile_elementwise = True  # on CUDA, torch.compile the SiLU*up and the weighted combine of the k outputs
 

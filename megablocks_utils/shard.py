@@ -68,7 +68,7 @@ def expert_shapes(spec: MoESpec, config, num_experts: int) -> tuple[tuple[int, .
     return tuple(shapes)
 
 
-def _experts_options(spec: MoESpec, config) -> dict:
+def expert_options(spec: MoESpec, config) -> dict:
     """The expert module's layout and activation, from the model table row and the config."""
     options = dict(transposed=spec.experts_transposed, interleaved=spec.gate_up_interleaved, bias=spec.expert_bias)
     if spec.expert_act == "gpt_oss_swiglu":
@@ -170,7 +170,7 @@ def shard_moe(
                     top_k=top_k, hidden_size=config.hidden_size, intermediate_size=intermediate,
                 )
             else:
-                experts = ExpertParallelExperts(num_experts, mesh, spec.expert_act or config.hidden_act, **_experts_options(spec, config))
+                experts = ExpertParallelExperts(num_experts, mesh, spec.expert_act or config.hidden_act, **expert_options(spec, config))
             new = ExpertParallelMoE(
                 config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
                 router_attr=spec.router_attr, router_mode=spec.router, router_bias=spec.router_bias,

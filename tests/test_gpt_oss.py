@@ -14,7 +14,7 @@ from megablocks_utils.loading import check_model_dir
 from megablocks_utils.megablocks_backend import check_megablocks_model
 from megablocks_utils.models import spec_for
 from megablocks_utils.moe_layer import ExpertParallelExperts, TopKRouter
-from megablocks_utils.shard import _experts_options, load_model
+from megablocks_utils.shard import expert_options, load_model
 
 TOL = 1e-5
 
@@ -36,7 +36,7 @@ def test_clamped_swiglu_experts_match_transformers():
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    ours = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), spec.expert_act, **_experts_options(spec, config))
+    ours = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), spec.expert_act, **expert_options(spec, config))
     ours.set_weights(*(torch.nn.Parameter(getattr(reference, n).detach().clone()) for n in
                        ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")))
 
@@ -66,7 +66,7 @@ def test_grouped_gemm_path_equals_the_expert_loop(monkeypatch):
 
     config = tiny_moe_config("gpt_oss", swiglu_limit=1.0)
     spec = spec_for(config)
-    experts = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), spec.expert_act, **_experts_options(spec, config))
+    experts = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), spec.expert_act, **expert_options(spec, config))
     g = torch.Generator().manual_seed(0)
     experts.set_weights(*(torch.nn.Parameter(torch.randn(s, generator=g) * 0.3) for s in [(4, 64, 64), (4, 32, 64), (4, 64), (4, 64)]))
     x = torch.randn(30, 64, generator=g)
