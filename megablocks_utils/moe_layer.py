@@ -38,7 +38,7 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, mode: str = "softmax_topk", bias: bool = False
+        self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, mode: str = "softmax_topk", *, bias: bool = False
     ):
         super().__init__()
         if mode not in ("softmax_topk", "topk_softmax"):
@@ -328,7 +328,7 @@ class ExpertParallelMoE(nn.Module):
     ):
         super().__init__()
         self.router_attr = router_attr
-        setattr(self, router_attr, TopKRouter(hidden_size, num_experts, top_k, renormalize, router_mode, router_bias))
+        setattr(self, router_attr, TopKRouter(hidden_size, num_experts, top_k, renormalize, router_mode, bias=router_bias))
         # The experts' forward is the backend: this module's own (moe_backend="native") or megablocks'
         # (megablocks_backend.MegablocksExperts, a subclass holding the same weights).
         self.experts = experts if experts is not None else ExpertParallelExperts(num_experts, mesh, act_fn)
