@@ -1,7 +1,11 @@
 """Shared test helpers: tiny MoE configs and a launcher that runs a function on N real gloo ranks."""
 
+import json
 import os
+import re
+import shutil
 import socket
+import subprocess
 import sys
 import traceback
 
@@ -107,8 +111,6 @@ def tmp_dir(tmp_path):
 
 def run_script(script: str, nproc: int, *args: str, timeout: int = 300):
     """Launch a training script with torchrun on ``nproc`` CPU ranks; returns the CompletedProcess."""
-    import subprocess
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -124,9 +126,89 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
-def read_jsonl(path: str) -> list[dict]:
-    import json
+def exit_codes(stderr: str) -> dict[int, int]:
+    """The exit codes in torchrun's failure report (accelerate launch prints the same one), parsed:
+    {global rank: exit code} for every rank it lists. It lists only ranks that failed or that it stopped
+    (SIGTERM: -15); a rank that exited 0 is not in it, and a run without failures has no report ({})."""
+    found = re.findall(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\n\s*exitcode\s*:\s*(-?\d+)", stderr, re.M)
+    codes = {int(rank): int(code) for rank, code in found}
+    assert len(codes) == len(found), f"a rank is listed twice in the report: {found}"
+    return codes
 
+
+def every_rank_failed(stderr: str, world_size: int) -> dict[int, int]:
+    """Assert that the report lists every rank with a non-zero exit code (none ended well); returns the codes."""
+    codes = exit_codes(stderr)
+    assert sorted(codes) == list(range(world_size)) and 0 not in codes.values(), f"exit codes {codes}\n{stderr[-3000:]}"
+    return codes
+
+
+# ----------------------------------------------------------------------------- shared runs
+# The standard train_fsdp2.py runs, launched once per session and read by several test files (a launch
+# costs ~15 s of start-up on 2 cores; steps cost little). 90 samples pack into 27 rows of 256 tokens:
+# an epoch is 3 steps of 8 rows, so step 4 is in the second epoch. Tests that launch a variant add their
+# flags to standard_args.
+TRAIN_STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
+STANDARD_STEPS = [*TRAIN_STEPS, "--save_steps", "2"]
+NUM_SAMPLES = 90
+TWO_RANK_ARGS = ["--ep_size", "2", "--per_device_train_batch_size", "2", "--activation_checkpointing", "full"]
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> str:
+    """The first NUM_SAMPLES samples of data.json."""
+    path = tmp_path_factory.mktemp("data") / "data.json"
+    with open(os.path.join(ROOT, "data.json")) as f:
+        path.write_text(json.dumps(json.load(f)[:NUM_SAMPLES]))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def dropout_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with attention dropout 0.1: every training step draws from each rank's RNG, so a
+    resumed run repeats the uninterrupted one's losses only if its RNG state was restored."""
+
+    path = str(tmp_path_factory.mktemp("dropout") / "tiny-mixtral-dropout")
+    shutil.copytree(tiny_model_dir, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["attention_dropout"] = 0.1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def standard_args(tiny_model_dir: str, small_data: str) -> list[str]:
+    return ["--model_name_or_path", tiny_model_dir, "--data_path", small_data, *STANDARD_STEPS]
+
+
+def train_fsdp2(nproc: int, out: str, *args: str) -> subprocess.CompletedProcess:
+    """train_fsdp2.py on ``nproc`` ranks into ``out``; fails the test unless it exits 0."""
+    result = run_script("train_fsdp2.py", nproc, "--output_dir", out, *args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
+    """1 rank, 4 samples per micro-step, activation checkpointing: the reference the N-rank runs and the
+    plain transformers loop are held to. Returns its output_dir."""
+    out = str(tmp_path_factory.mktemp("one_rank") / "run")
+    train_fsdp2(1, out, *standard_args(tiny_model_dir, small_data), "--per_device_train_batch_size", "4",
+                "--activation_checkpointing", "full")
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tiny_model_dir, small_data, tmp_path_factory) -> str:
+    """2 ranks (dp 1 x ep 2), 2 samples each per micro-step, activation checkpointing: the same global
+    batches as ``one_rank_run``, with checkpoints at steps 2 and 4. Returns its output_dir."""
+    out = str(tmp_path_factory.mktemp("two_rank") / "run")
+    train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS)
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
 

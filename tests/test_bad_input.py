@@ -11,7 +11,6 @@ world size or a failure on rank 1 only run under the script's real launcher.
 import json
 import multiprocessing
 import os
-import re
 import runpy
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_script
+from conftest import ROOT, every_rank_failed, free_port, run_script
 from safetensors.torch import load_file, save_file
 
 SCRIPTS = ["train_fsdp2.py", "train_fsdp1.py"]
@@ -318,7 +317,7 @@ def test_two_ranks_stop_together_with_one_message(tiny_model_dir, tmp_path, case
     # Every rank exits with 2, or with SIGTERM when the launcher, seeing the first rank exit, stops it
     # first; a rank stuck in a collective would end with SIGKILL after the launcher's 30 s grace, and a
     # traceback with exit code 1.
-    exit_codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr))
-    assert "2" in exit_codes and exit_codes <= {"2", "-15"}, result.stderr[-3000:]
+    codes = set(every_rank_failed(result.stderr, 2).values())
+    assert 2 in codes and codes <= {2, -15}, result.stderr[-3000:]
     assert elapsed < 200, f"took {elapsed:.0f} s"
     assert_earlier_run_intact(out)

@@ -1,6 +1,7 @@
 """Sharded checkpoints: exact resume after kill -9 (mid-step and mid-save), SIGTERM, resharding, export."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,23 +11,33 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ROOT, read_jsonl, run_script
+from conftest import ROOT, exit_codes, read_jsonl, run_script, standard_args
 
+# The kill tests' runs: 6 steps, checkpoints at 2, 4, 6, on a model with attention dropout, so that a
+# resumed run's losses equal the uninterrupted run's only if each rank's RNG state is restored too.
 COMMON = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3",
-          "--gradient_accumulation_steps", "2", "--warmup_steps", "2"]
+          "--gradient_accumulation_steps", "2", "--warmup_steps", "2", "--per_device_train_batch_size", "2"]
+RESUMED = re.compile(r"resumed from (\S+) at step (\d+) ")
 
 
-def launch(tiny_model_dir, out, nproc=2, *args, env=None):
+def launch(model_dir, out, nproc=2, *args, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train_fsdp2.py",
-           "--model_name_or_path", tiny_model_dir, "--output_dir", out, *args]
+           "--model_name_or_path", model_dir, "--output_dir", out, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def train(tiny_model_dir, out, nproc, *args):
-    result = run_script("train_fsdp2.py", nproc, "--model_name_or_path", tiny_model_dir, "--output_dir", out, *args)
+def train(model_dir, out, nproc, *args):
+    result = run_script("train_fsdp2.py", nproc, "--model_name_or_path", model_dir, "--output_dir", out, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def resumed_at(result) -> int:
+    """The step the run says it resumed at."""
+    found = RESUMED.findall(result.stdout)
+    assert len(found) == 1, result.stdout[-2000:]
+    return int(found[0][1])
 
 
 def wait_for(path, proc, timeout=120):
@@ -37,11 +48,53 @@ def wait_for(path, proc, timeout=120):
         time.sleep(0.02)
 
 
+def records_written(metrics: str) -> int:
+    """Complete lines of metrics.jsonl (rank 0 writes and flushes one per finished step)."""
+    if not os.path.exists(metrics):
+        return 0
+    with open(metrics) as f:
+        return f.read().count("\n")
+
+
+def kill_mid_step(proc, out, nproc, after_records, timeout=300):
+    """kill -9 every rank while they compute the step after ``after_records`` finished steps.
+
+    The ranks are frozen (SIGSTOP) the moment rank 0 has written that many records, so what is on disk
+    is exactly what a kill at that moment leaves; then the ranks and torchrun are killed (torchrun gives
+    each worker a session of its own: killing torchrun's process group would leave the ranks running).
+    Returns the number of records written and the names in checkpoints/.
+    """
+    metrics = os.path.join(out, "metrics.jsonl")
+    ranks, start = [], time.time()
+    try:
+        while records_written(metrics) < after_records:
+            assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read()[-2000:]}"
+            assert time.time() - start < timeout, f"no {after_records} steps in {timeout} s"
+            if len(ranks) < nproc and os.path.exists(metrics):  # every rank has loaded the model
+                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train_fsdp2.py" in " ".join(p.cmdline())]
+            time.sleep(0.002)
+        for p in ranks:
+            p.suspend()
+        assert len(ranks) == nproc, ranks
+        written = records_written(metrics)
+        names = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    finally:
+        for p in [*ranks, psutil.Process(proc.pid)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.communicate()
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, alive
+    return written, names
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory):
-    """The uninterrupted run: 2 ranks, ep=2, checkpoints at steps 2, 4, 6."""
+def dropout_reference(dropout_model_dir, tmp_path_factory):
+    """The uninterrupted run of the kill tests: 2 ranks, ep=2, checkpoints at steps 2, 4, 6."""
     out = str(tmp_path_factory.mktemp("reference") / "run")
-    train(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2")
+    train(dropout_model_dir, out, 2, *COMMON)
     return out
 
 
@@ -49,29 +102,36 @@ def losses(out):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
 
 
-def test_kill_mid_step_then_resume_is_bit_identical(tiny_model_dir, reference, tmp_path):
+def test_kill_mid_step_then_resume_is_bit_identical(dropout_model_dir, dropout_reference, tmp_path):
+    """kill -9 in step 4: the resumed run starts from step 2's checkpoint, drops the records of the steps
+    after it, and repeats them with the same losses, dropout included (the RNG state is restored)."""
     out = str(tmp_path / "run")
-    proc = launch(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2")
-    wait_for(os.path.join(out, "checkpoints", "step_00000002"), proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not os.path.exists(os.path.join(out, "summary.json")), "the run finished before it was killed"
-    result = train(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2", "--resume", "auto")
-    assert "resumed from" in result.stdout
-    assert losses(out) == losses(reference)  # exact equality: bit-identical on CPU
+    proc = launch(dropout_model_dir, out, 2, *COMMON)
+    written, names = kill_mid_step(proc, out, 2, after_records=3)
+    assert 3 <= written < 6, f"the kill landed after step {written}"  # fewer records than the run's 6
+    complete = [int(n[5:]) for n in names if not n.endswith(".tmp")]
+    assert complete and max(complete) < written, (names, written)  # so the resumed run repeats recorded steps
+    assert not os.path.exists(os.path.join(out, "summary.json"))
+    result = train(dropout_model_dir, out, 2, *COMMON, "--resume", "auto")
+    assert resumed_at(result) == max(complete) < 6  # at least one step trained after the resume
+    expected = losses(dropout_reference)
+    assert [s for s, _, _ in expected] == [1, 2, 3, 4, 5, 6]
+    assert losses(out) == expected  # exact equality: bit-identical on CPU
 
 
-def test_kill_mid_save_leaves_only_a_partial_that_resume_ignores(tiny_model_dir, reference, tmp_path):
+def test_kill_mid_save_leaves_only_a_partial_that_resume_ignores(dropout_model_dir, dropout_reference, tmp_path):
     out = str(tmp_path / "run")
-    proc = launch(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2",
-                  env={"MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP": "4"})
-    proc.wait(timeout=300)
-    assert proc.returncode != 0
+    proc = launch(dropout_model_dir, out, 2, *COMMON, env={"MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP": "4"})
+    _, stderr = proc.communicate(timeout=300)
+    assert exit_codes(stderr)[0] == -9, stderr[-3000:]  # rank 0 killed itself inside the save
     names = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert names == ["step_00000002", "step_00000004.tmp"], names
-    result = train(tiny_model_dir, out, 2, *COMMON, "--per_device_train_batch_size", "2", "--resume", "auto")
-    assert "step_00000002 at step 2" in result.stdout
-    assert losses(out) == losses(reference)
+    assert records_written(os.path.join(out, "metrics.jsonl")) == 4  # step 4 was recorded, then its save died
+    result = train(dropout_model_dir, out, 2, *COMMON, "--resume", "auto")
+    assert "step_00000002 at step 2" in result.stdout and resumed_at(result) == 2
+    expected = losses(dropout_reference)
+    assert [s for s, _, _ in expected] == [1, 2, 3, 4, 5, 6]
+    assert losses(out) == expected
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
@@ -79,7 +139,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
     proc = launch(tiny_model_dir, out, 2, "--max_steps", "500")
     metrics = os.path.join(out, "metrics.jsonl")
     wait_for(metrics, proc)
-    while not read_jsonl(metrics):  # a first finished step: every rank is in the training loop
+    while not records_written(metrics):  # a first finished step: every rank is in the training loop
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         time.sleep(0.05)
     for child in psutil.Process(proc.pid).children(recursive=True):  # what a scheduler does: signal every task
@@ -92,29 +152,38 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_model_dir, tmp_path):
     assert int(saved[0][5:]) == len(read_jsonl(metrics)) < 500
 
 
-@pytest.mark.parametrize("nproc,ep,micro", [(2, 1, 2), (4, 2, 1), (4, 4, 1)], ids=["dp2-ep1", "dp2-ep2", "dp1-ep4"])
-def test_resume_on_another_mesh(tiny_model_dir, reference, tmp_path, nproc, ep, micro):
-    """A (dp=1, ep=2) checkpoint continues on other splits and world sizes with the same losses.
+@pytest.mark.parametrize("nproc,ep,micro", [
+    (2, 1, 2),
+    pytest.param(4, 2, 1, marks=pytest.mark.slow),
+    pytest.param(4, 4, 1, marks=pytest.mark.slow),
+], ids=["dp2-ep1", "dp2-ep2", "dp1-ep4"])
+def test_resume_on_another_mesh(tiny_model_dir, small_data, two_rank_run, tmp_path, nproc, ep, micro):
+    """A (dp=1, ep=2) checkpoint (conftest's standard 2-rank run) continues on other splits and world
+    sizes with the same losses.
 
     A different --learning_rate on resume is not used (the checkpoint's schedule continues), and the run says so."""
     out = str(tmp_path / "run")
-    ckpt = os.path.join(reference, "checkpoints", "step_00000004")
-    result = train(tiny_model_dir, out, nproc, *COMMON, "--per_device_train_batch_size", str(micro), "--ep_size", str(ep),
-                   "--resume", ckpt, "--learning_rate", "0.5")
+    ckpt = os.path.join(two_rank_run, "checkpoints", "step_00000002")
+    result = run_script("train_fsdp2.py", nproc, *standard_args(tiny_model_dir, small_data), "--output_dir", out,
+                        "--per_device_train_batch_size", str(micro), "--ep_size", str(ep), "--resume", ckpt, "--learning_rate", "0.5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert resumed_at(result) == 2
     assert result.stdout.count("a resumed run continues its schedule, so learning_rate=0.5 is not used") == 1, result.stdout[-2000:]
-    expected = {step: (loss, norm) for step, loss, norm in losses(reference)}
+    expected = {step: (loss, norm) for step, loss, norm in losses(two_rank_run)}
+    assert sorted(expected) == [1, 2, 3, 4]
     got = losses(out)
-    assert [s for s, _, _ in got] == [5, 6]
+    assert [s for s, _, _ in got] == [3, 4]
     for step, loss, norm in got:
         assert abs(loss - expected[step][0]) <= 1e-5 * expected[step][0], (step, loss, expected[step])
         assert abs(norm - expected[step][1]) <= 1e-5 * expected[step][1], (step, norm, expected[step])
 
 
-def test_export_command_matches_the_live_export(reference, tmp_path):
+def test_export_command_matches_the_live_export(two_rank_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "hf")
-    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", os.path.join(reference, "checkpoints", "step_00000006"), out],
+    reference = two_rank_run
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", os.path.join(reference, "checkpoints", "step_00000004"), out],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out)
@@ -123,14 +192,14 @@ def test_export_command_matches_the_live_export(reference, tmp_path):
     torch.testing.assert_close(exported(ids).logits, live(ids).logits, rtol=0, atol=0)
 
 
-def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, reference, tmp_path):
+def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, small_data, two_rank_run, tmp_path):
     ckpt = str(tmp_path / "step_00000004")
-    shutil.copytree(os.path.join(reference, "checkpoints", "step_00000004"), ckpt)
+    shutil.copytree(os.path.join(two_rank_run, "checkpoints", "step_00000004"), ckpt)
     shard = next(os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt)) if n.endswith(".distcp"))
     with open(shard, "r+b") as f:
         f.truncate(64)  # cut inside the first tensor
-    result = run_script("train_fsdp2.py", 2, "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "run"),
-                        *COMMON, "--per_device_train_batch_size", "2", "--resume", ckpt)
+    result = run_script("train_fsdp2.py", 2, *standard_args(tiny_model_dir, small_data), "--output_dir", str(tmp_path / "run"),
+                        "--per_device_train_batch_size", "2", "--resume", ckpt)
     assert result.returncode != 0
     assert "is corrupt or truncated" in result.stderr, result.stderr[-3000:]
     export = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
@@ -140,7 +209,7 @@ def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, reference, tmp_pa
 OLD = os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_expert_fsdp")
 
 
-@pytest.mark.parametrize("nproc,ep,micro", [(2, 2, 2), (4, 2, 1)], ids=["dp1-ep2", "dp2-ep2-sharded"])
+@pytest.mark.parametrize("nproc,ep,micro", [(2, 2, 2), pytest.param(4, 2, 1, marks=pytest.mark.slow)], ids=["dp1-ep2", "dp2-ep2-sharded"])
 def test_resume_from_a_checkpoint_written_before_experts_were_fsdp_sharded(tmp_path, nproc, ep, micro):
     """A checkpoint of the old layout (experts replicated over dp, no FSDP on them) resumes into the new
     one, also with experts FSDP-sharded over dp = 2, and continues the old run's losses."""

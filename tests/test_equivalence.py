@@ -98,7 +98,7 @@ def check_every_architecture(rank, world, ep_size):
             raise AssertionError(f"{arch}: {e}") from e
 
 
-@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_every_architecture_matches_single_process(dp, ep):
     """Every row of the model table (Mixtral included) on meshes (1,2), (2,1), (2,2); one spawn per mesh
     runs all architectures (spawns are the cost)."""
@@ -124,6 +124,7 @@ def check_other_layouts(rank, world):
             raise AssertionError(f"ep={ep_size} shard_experts={shard_experts} dp_replicate={dp_replicate}: {e}") from e
 
 
+@pytest.mark.slow
 def test_replicated_experts_and_hsdp_match_single_process():
     """The other expert layout and HSDP on 4 ranks; Qwen2-MoE (shared expert and a dense layer) covers most."""
     run_ranks(check_other_layouts, 4)

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
@@ -44,6 +45,7 @@ def test_export_from_ep2_round_trips(tmp_path):
     run_ranks(check_export_round_trip, 2, 2, str(tmp_path / "hf"))
 
 
+@pytest.mark.slow
 def test_export_from_dp2_ep2_round_trips(tmp_path):
     run_ranks(check_export_round_trip, 4, 2, str(tmp_path / "hf"))
 

@@ -32,6 +32,7 @@ def write_checkpoint(path: str, layout: str) -> None:
 
 
 def check_local_experts(rank, world, ep_size, path, layout):
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     reads = []
@@ -50,10 +51,21 @@ def check_local_experts(rank, world, ep_size, path, layout):
     spec = spec_for(model.config)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     local = 4 // ep_size
-    mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
+    # The layout mesh.py documents (ep innermost), not mesh.ep_rank: at dp > 1 the global rank and the
+    # ep rank differ, and a loader that used the global rank must fail here.
+    ep_rank = rank % ep_size
+    assert (mesh.ep_size, mesh.dp_size, mesh.ep_rank) == (ep_size, world // ep_size, ep_rank)
+    mine = range(ep_rank * local, (ep_rank + 1) * local)
 
     expert_reads = [(n, rows) for n, rows in reads if spec.is_expert_name(n)]
     assert expert_reads, "no expert tensor was read"
+    everyone = [None] * world
+    dist.all_gather_object(everyone, sorted(expert_reads, key=str))
+    for other, their_reads in enumerate(everyone):  # dp replicas read the same set; other ep ranks other experts
+        if other % ep_size == ep_rank:
+            assert their_reads == everyone[rank], f"ranks {rank} and {other} (both ep rank {ep_rank}) read different experts"
+        else:
+            assert not set(their_reads) & set(everyone[rank]), f"ranks {rank} and {other} read the same expert tensors"
     stacked = layout == "fused" or spec.hub_stacked is not None  # one tensor per layer: read as row slices
     for name, rows in expert_reads:
         if stacked:
@@ -114,8 +126,14 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
     run_ranks(check_every_architecture_loads, 2, paths)
 
 
-@pytest.mark.parametrize("layout", ["hub", "fused"])
-def test_each_rank_reads_only_its_experts(tmp_path, layout):
+@pytest.mark.parametrize("layout,world,ep", [
+    ("hub", 2, 2),
+    ("fused", 2, 2),
+    ("fused", 2, 1),
+    pytest.param("hub", 4, 2, marks=pytest.mark.slow),
+], ids=["hub-dp1-ep2", "fused-dp1-ep2", "fused-dp2-ep1", "hub-dp2-ep2"])
+def test_each_rank_reads_only_its_experts(tmp_path, layout, world, ep):
+    """Rank r reads its ep rank's experts (rank % ep), and only those; its dp replicas read the same."""
     path = str(tmp_path / layout)
     write_checkpoint(path, layout)
     files = set(json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"].values())
@@ -126,7 +144,7 @@ def test_each_rank_reads_only_its_experts(tmp_path, layout):
         w3 = index["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
         assert w1 != w3, "one expert's w1 and w3 should sit in different files"
     assert check_model_dir(path) == (4, "num_local_experts")
-    run_ranks(check_local_experts, 2, 2, path, layout)
+    run_ranks(check_local_experts, world, ep, path, layout)
 
 
 def test_ep1_loads_all_experts(tmp_path):

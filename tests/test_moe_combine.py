@@ -23,5 +23,6 @@ def test_gather_combine_equals_weighted_index_add():
     grad = torch.randn(tokens, hidden)
     expected = torch.autograd.grad(reference, (out, top_w), grad)
     got = torch.autograd.grad(combined, (out, top_w), grad)
+    assert len(got) == len(expected) == 2
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)

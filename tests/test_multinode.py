@@ -8,10 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, free_port, read_jsonl, run_script
-
-SETTINGS = ["--ep_size", "2", "--max_steps", "3", "--warmup_steps", "1", "--per_device_train_batch_size", "2",
-            "--save_steps", "3"]
+from conftest import TWO_RANK_ARGS, ROOT, free_port, read_jsonl, standard_args
 
 
 def descendants(pid: int) -> list[int]:
@@ -76,18 +73,16 @@ def tail(log, chars: int = 3000) -> str:
     return log.read()[-chars:]
 
 
-def test_two_nodes_equal_one_node(tiny_model_dir, tmp_path):
-    model = ["--model_name_or_path", tiny_model_dir]
-    one_node = str(tmp_path / "one_node")
-    result = run_script("train_fsdp2.py", 2, *model, "--output_dir", one_node, *SETTINGS)
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_two_nodes_equal_one_node(tiny_model_dir, small_data, two_rank_run, tmp_path):
+    one_node = two_rank_run  # conftest's standard 2-rank run; here the same settings on two nodes of one rank each
     # Both "nodes" write to one output_dir, as on a shared file system.
     two_nodes = str(tmp_path / "two_nodes")
-    run_two_nodes(str(tmp_path), *model, "--output_dir", two_nodes, *SETTINGS)
+    run_two_nodes(str(tmp_path), *standard_args(tiny_model_dir, small_data), "--output_dir", two_nodes, *TWO_RANK_ARGS)
 
     one = read_jsonl(os.path.join(one_node, "metrics.jsonl"))
     two = read_jsonl(os.path.join(two_nodes, "metrics.jsonl"))
-    assert [r["step"] for r in two] == [1, 2, 3]  # one writer (global rank 0): no duplicated records
+    assert [r["step"] for r in two] == [1, 2, 3, 4]  # one writer (global rank 0): no duplicated records
+    assert [r["step"] for r in one] == [1, 2, 3, 4]
     for a, b in zip(two, one):  # same ranks, same collectives: bit-identical, not just close
         for key in ("loss", "ce_loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_expert"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
@@ -95,7 +90,7 @@ def test_two_nodes_equal_one_node(tiny_model_dir, tmp_path):
         summary = json.load(f)
     assert (summary["world_size"], summary["dp"], summary["ep"]) == (2, 1, 2)
     # Every rank's checkpoint shards and both ranks' experts of the export landed in the one directory.
-    assert sorted(os.listdir(os.path.join(two_nodes, "checkpoints", "step_00000003", "rng"))) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(os.listdir(os.path.join(two_nodes, "checkpoints", "step_00000004", "rng"))) == ["rank_0.pt", "rank_1.pt"]
     names = sorted(os.listdir(os.path.join(one_node, "final")))
     assert sorted(os.listdir(os.path.join(two_nodes, "final"))) == names
     for name in names:

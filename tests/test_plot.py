@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, read_jsonl, run_script
+from conftest import ROOT, read_jsonl
 
 from megablocks_utils.plot import PLOTS, expert_fractions, main
 
@@ -29,12 +29,10 @@ def assert_real_pictures(plot_dir: str) -> None:
         assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50, name  # lines, text and a colour map, not a blank frame
 
 
-@pytest.fixture(scope="module")
-def run_dir(tiny_model_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("plot") / "run")
-    result = run_script("train_fsdp2.py", 1, "--model_name_or_path", tiny_model_dir, "--output_dir", out, "--max_steps", "3")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
+@pytest.fixture
+def run_dir(one_rank_run):
+    """A real run: conftest's standard 1-rank run (4 steps), shared with other test files."""
+    return one_rank_run
 
 
 def test_plot_command_draws_a_real_run(run_dir):

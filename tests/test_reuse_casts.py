@@ -37,6 +37,7 @@ def check_reuse_equals_fresh_casts(rank, world):
     reused_out, reused_grads, reused_cache = micro_steps(model, block, inputs, reuse=True)
     assert fresh_cache is None and torch.bfloat16 in reused_cache, "the cache was not used"
     assert block.experts.cast_cache is None, "the cache outlived its block"
+    assert len(fresh_out) == len(reused_out) == 2 and len(fresh_grads) == len(reused_grads) == 2
     for a, b in zip(fresh_out, reused_out):
         assert torch.equal(a, b)
     for a, b in zip(fresh_grads, reused_grads):

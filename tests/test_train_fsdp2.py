@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import read_jsonl, run_script
+from conftest import read_jsonl, run_script, standard_args, train_fsdp2
 
 RECORD_FIELDS = {
     "step", "loss", "ce_loss", "aux_loss", "lr", "grad_norm", "tokens", "token_slots", "tokens_per_second",
@@ -95,33 +95,28 @@ def assert_tensorboard_scalars(log_dir, records):
     assert all(v >= 1 for v in load)
 
 
-@pytest.fixture(scope="module")
-def one_rank(tiny_model_dir, tmp_path_factory):
-    """The 1-rank reference of the equivalence runs below (launched once for all of them)."""
-    out = str(tmp_path_factory.mktemp("one") / "run")
-    train(tiny_model_dir, out, 1, *EQUIVALENCE_STEPS, "--per_device_train_batch_size", "4")
-    return read_jsonl(os.path.join(out, "metrics.jsonl"))
-
-
-EQUIVALENCE_STEPS = ["--max_steps", "3", "--gradient_accumulation_steps", "2", "--warmup_steps", "1"]
-
-
 @pytest.mark.parametrize("nproc,dp_args", [
     (2, ("--ep_size", "2")),
     (2, ("--ep_size", "1")),
     (2, ("--ep_size", "1", "--shard_experts", "false")),
     pytest.param(4, ("--ep_size", "1", "--dp_replicate", "2"), marks=pytest.mark.slow),
 ], ids=["ep2", "dp2-experts-sharded", "dp2-experts-replicated", "hsdp2x2"])
-def test_ranks_equal_one_rank(tiny_model_dir, tmp_path, one_rank, nproc, dp_args):
-    """The same global batch on N ranks (ep=2; dp=2 with experts sharded or replicated over dp; HSDP with
-    2 replicas of 2 shards, experts too) and on 1 rank."""
-    # Activation checkpointing on the N-rank side: recomputation must route (and all-to-all) exactly as the first pass.
-    train(tiny_model_dir, str(tmp_path / "n"), nproc, *EQUIVALENCE_STEPS, *dp_args,
-          "--per_device_train_batch_size", str(4 // nproc), "--activation_checkpointing", "true")
-    two = read_jsonl(str(tmp_path / "n" / "metrics.jsonl"))
-    one = one_rank
-    assert len(two) == len(one) == 3, (len(two), len(one))
-    for a, b in zip(two, one):
+def test_ranks_equal_one_rank(request, tiny_model_dir, small_data, tmp_path, one_rank_run, nproc, dp_args):
+    """The same global batches on N ranks (ep=2; dp=2 with experts sharded or replicated over dp; HSDP with
+    2 replicas of 2 shards, experts too) and on 1 rank (conftest's one_rank_run, itself held to plain
+    transformers in test_matches_transformers.py)."""
+    # Activation checkpointing on both sides: recomputation must route (and all-to-all) exactly as the first pass.
+    if dp_args == ("--ep_size", "2"):  # the standard 2-rank run, shared with other test files
+        out = request.getfixturevalue("two_rank_run")
+    else:
+        out = str(tmp_path / "n")
+        train_fsdp2(nproc, out, *standard_args(tiny_model_dir, small_data), *dp_args,
+                    "--per_device_train_batch_size", str(4 // nproc), "--activation_checkpointing", "full")
+    many = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    one = read_jsonl(os.path.join(one_rank_run, "metrics.jsonl"))
+    assert len(many) == len(one) == 4, (len(many), len(one))
+    for a, b in zip(many, one):
+        assert a["step"] == b["step"]
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
