@@ -38,16 +38,24 @@ def expert_hub_names(spec: MoESpec, layer: int, expert: int) -> tuple[str, str, 
     return spec.hub_expert_names(layer, expert)
 
 
-def expert_hub_tensors(spec: MoESpec, layer: int, first_expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict:
-    """Hub tensors of experts first_expert.. from fused [El, 2I, H] / [El, H, I] blocks.
+def expert_hub_tensors(
+    spec: MoESpec, layer: int, first_expert: int, gate_up: torch.Tensor, down: torch.Tensor, *biases: torch.Tensor
+) -> dict:
+    """Hub tensors of experts first_expert.. from fused [El, 2I, H] / [El, H, I] blocks (and the expert
+    biases [El, 2I] / [El, H] where the row has them, ``expert_tensors()`` order).
 
-    A stacked hub layout (Granite) keeps the blocks as they are, so they must hold all the layer's experts.
+    A stacked hub layout (Granite, gpt-oss) keeps the blocks as they are, so they must hold all the layer's experts.
     """
     if spec.hub_stacked is not None:
         if first_expert != 0:
             raise ValueError(f"{spec.model_type} stores each layer's experts in one tensor; pass all of them")
         gate_up_name, down_name = spec.hub_stacked_names(layer)
-        return {gate_up_name: gate_up.contiguous(), down_name: down.contiguous()}
+        out = {gate_up_name: gate_up.contiguous(), down_name: down.contiguous()}
+        if spec.expert_bias:  # gpt-oss's hub layout is transformers' fused one, biases under their fused names
+            out.update({name: b.contiguous() for name, b in zip(spec.fused_bias_names(layer), biases, strict=True)})
+        return out
+    if biases:
+        raise ValueError(f"{spec.model_type}: expert biases in a per-expert hub layout are not supported")
     intermediate = down.shape[-1]
     out = {}
     for i in range(gate_up.shape[0]):
@@ -86,7 +94,10 @@ def hub_state_dict(model: nn.Module) -> dict:
         experts = getattr(getattr(layer, spec.block_attr), spec.experts_attr, None)
         if experts is None:  # a dense layer between MoE layers (Qwen2-MoE's mlp_only_layers)
             continue
-        out.update(expert_hub_tensors(spec, index, 0, experts.gate_up_proj.data, experts.down_proj.data))
+        tensors = [experts.gate_up_proj, experts.down_proj]
+        if spec.expert_bias:
+            tensors += [experts.gate_up_proj_bias, experts.down_proj_bias]
+        out.update(expert_hub_tensors(spec, index, 0, *(t.data for t in tensors)))
     return out
 
 
@@ -166,10 +177,9 @@ def _write_stacked_experts(layers, spec: MoESpec, rank: int, tmp_dir: str, n_fil
     for index, layer in enumerate(layers):
         block = getattr(layer, spec.block_attr)
         if isinstance(block, ExpertParallelMoE):
-            gate_up = block.experts.gate_up_proj.detach().full_tensor()
-            down = block.experts.down_proj.detach().full_tensor()
+            full = [t.detach().full_tensor() for t in block.experts.expert_tensors()]
             if rank == 0:
-                tensors.update(expert_hub_tensors(spec, index, 0, cast(gate_up).cpu(), cast(down).cpu()))
+                tensors.update(expert_hub_tensors(spec, index, 0, *(cast(t).cpu() for t in full)))
     if rank != 0:
         return {}
     save_file(tensors, os.path.join(tmp_dir, shard_file_name(1, n_files)), metadata={"format": "pt"})
@@ -192,20 +202,16 @@ def _write_local_experts(layers, spec: MoESpec, mesh: MoEMesh, tmp_dir: str, n_f
     for index, layer in enumerate(layers):
         block = getattr(layer, spec.block_attr)
         if isinstance(block, ExpertParallelMoE):
-            gate_up, down = local_expert_weights(block.experts)  # every rank joins a gather over dp
+            local = local_expert_weights(block.experts)  # every rank joins a gather over dp
             if mesh.dp_rank == 0:
-                tensors.update(expert_hub_tensors(spec, index, mesh.ep_rank * local_experts, cast(gate_up).cpu(), cast(down).cpu()))
+                tensors.update(expert_hub_tensors(spec, index, mesh.ep_rank * local_experts, *(cast(t).cpu() for t in local)))
     if mesh.dp_rank == 0:
         save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + mesh.ep_rank, n_files)), metadata={"format": "pt"})
     return expert_files
 
 
 def _expert_numel(model: nn.Module, spec: MoESpec) -> int:
-    return sum(
-        b.experts.gate_up_proj.numel() + b.experts.down_proj.numel()
-        for b in model.modules()
-        if isinstance(b, ExpertParallelMoE)
-    )
+    return sum(t.numel() for b in model.modules() if isinstance(b, ExpertParallelMoE) for t in b.experts.expert_tensors())
 
 
 def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype | None = None) -> None:
@@ -258,8 +264,11 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
     total = sum(t.numel() * t.element_size() for t in dense.values())
     for i, layer in enumerate(layers):
         base = f"model.layers.{layer}{expert_suffix}"
-        fused = read([base + "gate_up_proj", base + "down_proj"])  # all experts of the layer
-        tensors = expert_hub_tensors(spec, layer, 0, fused[base + "gate_up_proj"], fused[base + "down_proj"])
+        names = [base + n for n in ("gate_up_proj", "down_proj")]
+        if spec.expert_bias:
+            names += [base + n for n in ("gate_up_proj_bias", "down_proj_bias")]
+        fused = read(names)  # all experts of the layer
+        tensors = expert_hub_tensors(spec, layer, 0, *(fused[n] for n in names))
         save_file(tensors, os.path.join(tmp_dir, shard_file_name(1 + i, n_files)), metadata={"format": "pt"})
         weight_map.update({n: shard_file_name(1 + i, n_files) for n in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())

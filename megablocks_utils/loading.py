@@ -116,8 +116,21 @@ class Checkpoint:
         self._handles.clear()
 
 
+def check_not_quantized(names: list[str], spec: MoESpec, model_dir: str) -> None:
+    """Released gpt-oss checkpoints hold MXFP4 experts (``*_blocks`` and ``*_scales`` tensors): not loadable here."""
+    quantized = [n for n in names if ".experts." in n and n.endswith(("_blocks", "_scales"))]
+    if quantized:
+        raise InputError(
+            f"the checkpoint in {model_dir} holds MXFP4-quantized experts (e.g. {quantized[0]!r}), which this suite "
+            "cannot load or train; dequantize it with transformers first: "
+            "AutoModelForCausalLM.from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
+            ".save_pretrained(new_dir), then set model_name_or_path to new_dir"
+        )
+
+
 def expert_layout(names: list[str], spec: MoESpec, model_dir: str) -> str:
-    """'hub' (the Hub's names: per expert, or stacked per layer for Granite) or 'fused' (transformers 5)."""
+    """'hub' (the Hub's names: per expert, or stacked per layer for Granite and gpt-oss) or 'fused' (transformers 5)."""
+    check_not_quantized(names, spec, model_dir)
     if spec.hub_stacked is not None:
         hub_example = spec.hub_stacked_names(0)[0]
     else:
@@ -151,6 +164,8 @@ def missing_expert_names(names: list[str], spec: MoESpec, layout: str, num_exper
             wanted += spec.hub_stacked_names(layer)
         else:
             wanted += [name for e in range(num_experts) for name in spec.hub_expert_names(layer, e)]
+        if spec.expert_bias:  # stored under the fused names in either layout (gpt-oss's hub layout is fused)
+            wanted += spec.fused_bias_names(layer)
     return [name for name in wanted if name not in present]
 
 
@@ -237,16 +252,22 @@ def load_local_experts(
     intermediate: int,
     out_gate_up: torch.Tensor,
     out_down: torch.Tensor,
+    out_gate_up_bias: torch.Tensor | None = None,
+    out_down_bias: torch.Tensor | None = None,
 ) -> None:
-    """Fill out_gate_up [El, 2I, H] and out_down [El, H, I] with experts ``experts`` of ``layer``.
+    """Fill out_gate_up [El, 2I, H] and out_down [El, H, I] (or the row's transposed layout) with experts
+    ``experts`` of ``layer``, and the expert biases where the row has them.
 
     ``layout`` is what ``expert_layout`` says of the checkpoint. Stacked tensors (transformers'
-    fused layout, Granite's hub layout) are read as row slices; per-expert ones whole.
+    fused layout, Granite's and gpt-oss's hub layouts) are read as row slices; per-expert ones whole.
     """
     if layout == "fused" or spec.hub_stacked is not None:
         gate_up_name, down_name = spec.fused_names(layer) if layout == "fused" else spec.hub_stacked_names(layer)
-        _copy_checked(out_gate_up, ckpt.get_rows(gate_up_name, experts.start, experts.stop), gate_up_name)
-        _copy_checked(out_down, ckpt.get_rows(down_name, experts.start, experts.stop), down_name)
+        outputs = {gate_up_name: out_gate_up, down_name: out_down}
+        if spec.expert_bias:
+            outputs.update(zip(spec.fused_bias_names(layer), (out_gate_up_bias, out_down_bias)))
+        for name, out in outputs.items():
+            _copy_checked(out, ckpt.get_rows(name, experts.start, experts.stop), name)
         return
     for i, e in enumerate(experts):
         gate, up, down = spec.hub_expert_names(layer, e)

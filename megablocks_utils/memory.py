@@ -178,6 +178,9 @@ class _Shape:
     qkv_bias: bool
     o_bias: bool
     tied: bool
+    expert_bias: bool = False  # gpt-oss: per-expert biases (2I + H), a router bias (E) and attention sinks (one per head)
+    router_bias: bool = False
+    sinks: bool = False
 
 
 def _shape(config) -> _Shape:
@@ -222,6 +225,9 @@ def _shape(config) -> _Shape:
         qkv_bias=bool(getattr(config, "qkv_bias", attention_bias)),
         o_bias=attention_bias and spec.o_proj_bias,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
+        expert_bias=spec.expert_bias,
+        router_bias=spec.router_bias,
+        sinks=spec.attention_sinks,
     )
 
 
@@ -232,7 +238,8 @@ def _attention_params(s: _Shape) -> int:
     weights = s.hidden * q + 2 * s.hidden * kv + q * s.hidden
     biases = (q + 2 * kv if s.qkv_bias else 0) + (s.hidden if s.o_bias else 0)
     qk_norm = {"per_head": 2 * s.head_dim, "all_heads": q + kv, None: 0}[s.qk_norm]
-    return weights + biases + qk_norm + 2 * s.hidden  # + input and post-attention RMSNorm
+    sinks = s.heads if s.sinks else 0
+    return weights + biases + qk_norm + sinks + 2 * s.hidden  # + input and post-attention RMSNorm
 
 
 def _mla_params(s: _Shape) -> int:
@@ -251,8 +258,8 @@ def count_params(config) -> ParamCounts:
     """Parameter counts from the config's fields and the model table (no weights, no model built)."""
     s = _shape(config)
     attention = _attention_params(s)
-    per_expert = 3 * s.hidden * s.expert_inter  # gate, up, down
-    moe_dense = s.num_experts * s.hidden + 3 * s.hidden * s.shared_inter + (s.hidden if s.shared_gate else 0)  # router, shared MLP
+    per_expert = 3 * s.hidden * s.expert_inter + (2 * s.expert_inter + s.hidden if s.expert_bias else 0)  # gate, up, down
+    moe_dense = s.num_experts * (s.hidden + (1 if s.router_bias else 0)) + 3 * s.hidden * s.shared_inter + (s.hidden if s.shared_gate else 0)  # router, shared MLP
     dense_mlp = 3 * s.hidden * s.dense_inter
     n_moe = len(s.moe_layers)
     n_dense = s.layers - n_moe

@@ -7,6 +7,10 @@ Two layouts of the same weights exist. transformers 5 holds a layer's experts fu
 (``model.layers.{l}.<block_attr>.experts.gate_up_proj`` [E, 2I, H], gate rows first, and ``down_proj``
 [E, H, I]); the hub layout is what checkpoints on the Hub hold and what ``save_pretrained`` writes
 back: one tensor per expert and projection for most models, one stacked tensor per layer for Granite.
+gpt-oss is the exception to the fused layout above: transformers stores its experts transposed
+(``gate_up_proj`` [E, H, 2I] with gate and up in alternating columns, ``down_proj`` [E, I, H]) with
+biases, and its hub layout is that same fused layout. Our expert module keeps whatever layout the row
+names (``experts_transposed``, ``gate_up_interleaved``), so names and shapes match transformers'.
 
 The load-balancing loss of every row is transformers' ``load_balancing_loss_func`` (the same function,
 copied into each model file): softmax of the full router logits, top-k counts, padding masked, times E.
@@ -68,6 +72,21 @@ class MoESpec:
     hub_up: str | None = None  # per expert: experts.{e}.<hub_up>.weight   [I, H]
     hub_down: str | None = None  # per expert: experts.{e}.<hub_down>.weight [H, I]
     hub_stacked: tuple[str, str] | None = None  # or all experts in one tensor: (gate_up [E, 2I, H], down [E, H, I])
+    # Expert compute, as in transformers' fused experts (the flags of its use_experts_implementation):
+    # None: act(gate) * up with config.hidden_act; "gpt_oss_swiglu": gpt-oss's clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit), with alpha and
+    # limit from config.swiglu_alpha / config.swiglu_limit.
+    expert_act: str | None = None
+    experts_transposed: bool = False  # fused weights stored [E, in, out]: gate_up [E, H, 2I], down [E, I, H]
+    gate_up_interleaved: bool = False  # gate and up alternate columns (gate = [..., ::2]), not halves
+    expert_bias: bool = False  # per-expert gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]
+    router_bias: bool = False  # the router is Linear(H, E) with a bias
+    # The block returns (hidden states, router scores) and the decoder layer unpacks them (gpt-oss).
+    block_returns_scores: bool = False
+    # Attention details the model table knows for the parameter count and the attention choice:
+    # one learned sink logit per head (gpt-oss), and whether transformers has an sdpa kernel for it.
+    attention_sinks: bool = False
+    supports_sdpa: bool = True
 
     def aux_loss_coef(self, config) -> float:
         """The config's load-balancing loss coefficient; 0 for a model trained without one."""
@@ -88,6 +107,11 @@ class MoESpec:
         """transformers 5 names of one layer's (gate_up_proj, down_proj)."""
         prefix = f"model.layers.{layer}.{self.block_attr}.{self.experts_attr}"
         return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+
+    def fused_bias_names(self, layer: int) -> tuple[str, str]:
+        """transformers 5 names of one layer's (gate_up_proj_bias, down_proj_bias), where the row has them."""
+        gate_up, down = self.fused_names(layer)
+        return f"{gate_up}_bias", f"{down}_bias"
 
     def hub_expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Hub names of one expert's (gate, up, down) projections (per-expert hub layout)."""
@@ -179,6 +203,25 @@ MOE_SPECS = {
     "deepseek_v3": MoESpec(model_type="deepseek_v3", **_DEEPSEEK_STYLE, attention="mla"),
     # GLM-4.5: DeepSeek-V3's MoE block with standard attention (qk norm per head if use_qk_norm).
     "glm4_moe": MoESpec(model_type="glm4_moe", **_DEEPSEEK_STYLE, o_proj_bias=False),
+    # gpt-oss: save_pretrained writes the fused names (no conversion), so the hub layout is "stacked"
+    # under the same names. Sliding-window layers and attention sinks are transformers' attention (dense).
+    "gpt_oss": MoESpec(
+        model_type="gpt_oss",
+        block_attr="mlp",
+        router_attr="router",
+        router="topk_softmax",
+        hub_block_name="mlp",
+        hub_router="router.weight",
+        hub_stacked=("experts.gate_up_proj", "experts.down_proj"),
+        expert_act="gpt_oss_swiglu",
+        experts_transposed=True,
+        gate_up_interleaved=True,
+        expert_bias=True,
+        router_bias=True,
+        block_returns_scores=True,
+        attention_sinks=True,
+        supports_sdpa=False,
+    ),
 }
 
 

@@ -33,7 +33,7 @@ class TopKRouter(nn.Module):
     """Router logits -> (scores for the load-balancing loss, top-k weights, top-k experts).
 
     ``mode`` is the model table's ``router``: "softmax_topk" (Mixtral, Qwen, OLMoE; renormalised if
-    asked), "topk_softmax" (Granite: softmax over the k largest logits) or "sigmoid_group_topk"
+    asked), "topk_softmax" (Granite, gpt-oss: softmax over the k largest logits) or "sigmoid_group_topk"
     (DeepSeek-V3, GLM-4.5: see ``MoESpec.router``). The first value is the fp32 softmax over all
     experts, or for sigmoid routing the sigmoid scores normalised to sum to 1 (DeepSeek-V3's
     sequence-wise balance loss uses these, should a load-balancing loss be asked for).
@@ -42,6 +42,7 @@ class TopKRouter(nn.Module):
     ``ADDED_BIAS`` that ``balance.add_routing_bias`` gives other models) is added to the scores the
     experts are ranked by (probabilities; Granite: logits) for the choice only: the weights stay the
     unbiased scores. It stays fp32 whatever the model's dtype, as transformers keeps it.
+    ``bias``: the logits have a learned bias (gpt-oss), a parameter unlike the score bias.
     """
 
     MODES = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
@@ -59,6 +60,7 @@ class TopKRouter(nn.Module):
         topk_groups: int = 1,
         scaling: float = 1.0,
         score_bias: str | None = None,
+        bias: bool = False,
     ):
         super().__init__()
         if mode not in self.MODES:
@@ -73,6 +75,7 @@ class TopKRouter(nn.Module):
         self.mode = mode
         self.num_groups, self.topk_groups, self.scaling = num_groups, topk_groups, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.bias_name = None
         if score_bias is not None:
             self.add_score_bias(score_bias)
@@ -95,7 +98,7 @@ class TopKRouter(nn.Module):
         bias = self.score_bias
         if self.mode == "sigmoid_group_topk":
             return self._sigmoid_group_topk(x, bias)
-        logits = F.linear(x, self.weight).float()
+        logits = F.linear(x, self.weight, self.bias).float()
         probs = torch.softmax(logits, dim=-1)
         if self.mode == "topk_softmax":
             if bias is None:
@@ -147,6 +150,14 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: gate clamped from above, up on both sides, a sigmoid of gain alpha,
+    and up shifted by one (the same operations in the same order as transformers' ``GptOssExperts``)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each expert output row times its fp32 router weight (the product in fp32, as transformers does)."""
     return (out * weights.unsqueeze(-1)).to(dtype)
@@ -195,60 +206,129 @@ class ExpertParallelExperts(nn.Module):
 
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors sharded on dim 0 over "ep";
     the names match transformers' fused layout so state dicts line up with ``MixtralExperts``,
-    ``Qwen2MoeExperts`` and the other fused expert modules of transformers 5.
+    ``Qwen2MoeExperts`` and the other fused expert modules of transformers 5. A model table row may
+    ask for transformers' other layouts (``models.MoESpec``): ``transposed`` weights ([E, H, 2I] and
+    [E, I, H]), gate and up in alternating columns (``interleaved``), and per-expert biases
+    ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H], sharded like the weights (gpt-oss).
+    ``act_fn`` is a transformers activation name, or "gpt_oss_swiglu" (clamped, with ``alpha`` and ``limit``).
     """
 
-    def __init__(self, num_experts: int, mesh: MoEMesh, act_fn: str):
+    def __init__(
+        self,
+        num_experts: int,
+        mesh: MoEMesh,
+        act_fn: str,
+        *,
+        transposed: bool = False,
+        interleaved: bool = False,
+        bias: bool = False,
+        alpha: float | None = None,
+        limit: float | None = None,
+    ):
         super().__init__()
         self.num_experts = num_experts
         self.mesh = mesh
         self.num_local_experts = num_experts // mesh.ep_size
-        self.act_fn = ACT2FN[act_fn]
+        self.transposed = transposed
+        self.interleaved = interleaved
+        self.has_bias = bias
+        if act_fn == "gpt_oss_swiglu":
+            if alpha is None or limit is None:
+                raise ValueError("act_fn='gpt_oss_swiglu' needs alpha and limit (config.swiglu_alpha, config.swiglu_limit)")
+            self.act_fn = None
+            self.clamped_swiglu = (float(alpha), float(limit))
+        else:
+            self.act_fn = ACT2FN[act_fn]
+            self.clamped_swiglu = None
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
-        self.cast_cache = None  # {dtype: (gate_up, down)} while inside ``reuse_expert_casts``
-        self.is_silu = act_fn == "silu"
+        self.cast_cache = None  # {dtype: expert_tensors() cast} while inside ``reuse_expert_casts``
+        self.is_silu = act_fn == "silu" and not interleaved
         self.compile_elementwise = True  # on CUDA, torch.compile the SiLU*up and the weighted combine of the k outputs
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
 
-    def set_weights(self, gate_up_proj: DTensor, down_proj: DTensor) -> None:
+    def set_weights(
+        self, gate_up_proj: DTensor, down_proj: DTensor, gate_up_proj_bias: DTensor | None = None, down_proj_bias: DTensor | None = None
+    ) -> None:
         self.gate_up_proj = nn.Parameter(gate_up_proj)
         self.down_proj = nn.Parameter(down_proj)
+        if (gate_up_proj_bias is not None) != self.has_bias or (down_proj_bias is not None) != self.has_bias:
+            raise ValueError(f"these experts {'need' if self.has_bias else 'take no'} biases (the model table's expert_bias)")
+        if self.has_bias:
+            self.gate_up_proj_bias = nn.Parameter(gate_up_proj_bias)
+            self.down_proj_bias = nn.Parameter(down_proj_bias)
 
-    def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        w_gate_up, w_down = self.gate_up_proj, self.down_proj
-        if isinstance(w_gate_up, DTensor):
-            w_gate_up, w_down = w_gate_up.to_local(), w_down.to_local()
-        if self.cast_cache is None or w_gate_up.dtype == dtype:
-            return w_gate_up.to(dtype), w_down.to(dtype)
+    def expert_tensors(self) -> tuple[torch.Tensor, ...]:
+        """(gate_up_proj, down_proj), then the biases where there are any."""
+        if self.has_bias:
+            return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
+        return self.gate_up_proj, self.down_proj
+
+    def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``expert_tensors()``' local blocks in ``dtype`` (from the cast cache inside ``reuse_expert_casts``)."""
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.expert_tensors()]
+        if self.cast_cache is None or local[0].dtype == dtype:
+            return tuple(w.to(dtype) for w in local)
         if dtype not in self.cast_cache:
             with torch.no_grad():
-                self.cast_cache[dtype] = (w_gate_up.to(dtype), w_down.to(dtype))
-        low_gate_up, low_down = self.cast_cache[dtype]
-        return _ReuseCast.apply(w_gate_up, low_gate_up), _ReuseCast.apply(w_down, low_down)
+                self.cast_cache[dtype] = tuple(w.to(dtype) for w in local)
+        return tuple(_ReuseCast.apply(w, low) for w, low in zip(local, self.cast_cache[dtype]))
+
+    def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.interleaved:
+            return gate_up[..., ::2], gate_up[..., 1::2]
+        return gate_up.chunk(2, dim=-1)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The fused [rows, 2I] projection -> [rows, I]: the GLU of the model's activation."""
+        gate, up = self._split(gate_up)
+        if self.clamped_swiglu is not None:
+            return _clamped_swiglu(gate, up, *self.clamped_swiglu)
+        return self.act_fn(gate) * up
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert."""
-        w_gate_up, w_down = self._local_weights(x.dtype)
+        weights = self._local_weights(x.dtype)
         if grouped_mm_supported(x) and not self.force_loop:
+            w_gate_up, w_down = weights[:2]
+            if not self.transposed:
+                w_gate_up, w_down = w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1)
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            gate_up = _grouped_mm(x, w_gate_up.transpose(-2, -1), offs)
+            gate_up = _grouped_mm(x, w_gate_up, offs)
+            if self.has_bias:  # each row's expert, without a host sync
+                row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+                gate_up = gate_up + weights[2][row_expert]
             if self.fuse_elementwise(gate_up) and self.is_silu:
                 hidden = _fused(_silu_mul)(gate_up)
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                hidden = self.act_fn(gate) * up
-            return _grouped_mm(hidden, w_down.transpose(-2, -1), offs)
-        return self.expert_loop(x, counts_host, w_gate_up, w_down)
+                hidden = self._activate(gate_up)
+            out = _grouped_mm(hidden, w_down, offs)
+            return out + weights[3][row_expert] if self.has_bias else out
+        return self.expert_loop(x, counts_host, *weights)
 
-    def expert_loop(self, x: torch.Tensor, counts_host: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    def expert_loop(
+        self,
+        x: torch.Tensor,
+        counts_host: list[int],
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        b_gate_up: torch.Tensor | None = None,
+        b_down: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The reference computation: one pair of GEMMs per local expert (any device, any dtype)."""
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
-            gate, up = F.linear(rows, w_gate_up[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, w_down[e]))
-        return torch.cat(outputs) if outputs else x.new_zeros(0, w_down.shape[1])
+            if self.transposed:  # x @ W + b, as transformers computes these layouts
+                gate_up = rows @ w_gate_up[e]
+                gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
+                out = self._activate(gate_up) @ w_down[e]
+                outputs.append(out + b_down[e] if b_down is not None else out)
+            else:
+                gate_up = F.linear(rows, w_gate_up[e], b_gate_up[e] if b_gate_up is not None else None)
+                outputs.append(F.linear(self._activate(gate_up), w_down[e], b_down[e] if b_down is not None else None))
+        hidden_size = w_down.shape[-1] if self.transposed else w_down.shape[1]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, hidden_size)
 
     def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts)."""
@@ -315,15 +395,19 @@ class ExpertParallelMoE(nn.Module):
         router_attr: str = "gate",
         router_mode: str = "softmax_topk",
         router_options: dict | None = None,
+        router_bias: bool = False,
+        returns_scores: bool = False,
         experts: ExpertParallelExperts | None = None,
     ):
         super().__init__()
         self.router_attr = router_attr
-        router = TopKRouter(hidden_size, num_experts, top_k, renormalize, router_mode, **(router_options or {}))
+        router = TopKRouter(hidden_size, num_experts, top_k, renormalize, router_mode, bias=router_bias, **(router_options or {}))
         setattr(self, router_attr, router)
         # The experts' forward is the backend: this module's own (moe_backend="native") or megablocks'
         # (megablocks_backend.MegablocksExperts, a subclass holding the same weights).
         self.experts = experts if experts is not None else ExpertParallelExperts(num_experts, mesh, act_fn)
+        # gpt-oss's decoder layer unpacks (hidden states, router scores) from its MoE block.
+        self.returns_scores = returns_scores
         self.shared_expert_attr = None
         self.shared_gate_attr = None
         self.record_router = False
@@ -354,6 +438,8 @@ class ExpertParallelMoE(nn.Module):
             if self.shared_gate_attr is not None:
                 shared = torch.sigmoid(getattr(self, self.shared_gate_attr)(x)) * shared
             out = out + shared
+        if self.returns_scores:
+            return out.reshape(shape), top_w
         return out.reshape(shape)
 
 

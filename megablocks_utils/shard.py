@@ -10,10 +10,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .loading import Checkpoint, expert_layout, load_local_experts
-from .megablocks_backend import MegablocksExperts, check_megablocks
+from .megablocks_backend import MegablocksExperts, check_megablocks, check_megablocks_model
 from .mesh import MoEMesh, build_mesh
 from .models import MoESpec, decoder_layers, spec_for
-from .moe_layer import ExpertParallelMoE, TopKRouter
+from .moe_layer import ExpertParallelExperts, ExpertParallelMoE, TopKRouter
 
 BACKENDS = ("native", "megablocks")
 
@@ -35,16 +35,17 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for block in moe_blocks(model) for p in block.experts.parameters()]
 
 
-def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """This ep rank's whole expert blocks (gate_up [El, 2I, H], down [El, H, I]), gathered over dp if FSDP
-    shards them. Collective when sharded: every rank must call it for the same module."""
+def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, ...]:
+    """This ep rank's whole expert blocks (gate_up [El, 2I, H], down [El, H, I], then the biases where the
+    model has them; ``experts.expert_tensors()``), gathered over dp if FSDP shards them. Collective when
+    sharded: every rank must call it for the same module."""
     out = []
-    for p in (experts.gate_up_proj, experts.down_proj):
+    for p in experts.expert_tensors():
         p = p.detach()
         if isinstance(p, DTensor) and p.device_mesh.ndim > 1:  # FSDP-sharded: (replicate, shard, ep)
             p = p.redistribute(placements=[Replicate()] * (p.device_mesh.ndim - 1) + [Shard(0)])
         out.append(p.to_local() if isinstance(p, DTensor) else p)
-    return out[0], out[1]
+    return tuple(out)
 
 
 def _start_recording_router(model: nn.Module, args) -> None:
@@ -54,6 +55,26 @@ def _start_recording_router(model: nn.Module, args) -> None:
 
 def _as_expert_dtensor(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
     return DTensor.from_local(local, mesh.ep, [Shard(0)], run_check=False)
+
+
+def expert_shapes(spec: MoESpec, config, num_experts: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one layer's ``num_experts`` experts' tensors, in ``expert_tensors()`` order, in the row's layout."""
+    hidden, intermediate = config.hidden_size, getattr(config, spec.intermediate_attr)
+    if spec.experts_transposed:
+        shapes = [(num_experts, hidden, 2 * intermediate), (num_experts, intermediate, hidden)]
+    else:
+        shapes = [(num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate)]
+    if spec.expert_bias:
+        shapes += [(num_experts, 2 * intermediate), (num_experts, hidden)]
+    return tuple(shapes)
+
+
+def expert_options(spec: MoESpec, config) -> dict:
+    """The expert module's layout and activation, from the model table row and the config."""
+    options = dict(transposed=spec.experts_transposed, interleaved=spec.gate_up_interleaved, bias=spec.expert_bias)
+    if spec.expert_act == "gpt_oss_swiglu":
+        options.update(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    return options
 
 
 def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> None:
@@ -125,9 +146,11 @@ def shard_moe(
     FSDP (``parallelize``) is applied afterwards; until then each expert DTensor is Shard(0) over ep.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_backend(moe_backend, device.type)
     config = model.config
     spec = spec_for(config)
+    if moe_backend == "megablocks":
+        check_megablocks_model(spec)
+    check_backend(moe_backend, device.type)
     num_experts = getattr(config, spec.num_experts_attr)
     top_k = getattr(config, spec.top_k_attr)
     intermediate = getattr(config, spec.intermediate_attr)
@@ -149,16 +172,17 @@ def shard_moe(
             continue
         dtype = getattr(old, spec.router_attr).weight.dtype
         with torch.device("meta" if on_meta else device):
-            experts = None
             if moe_backend == "megablocks":
                 experts = MegablocksExperts(
                     num_experts, mesh, config.hidden_act,
                     top_k=top_k, hidden_size=config.hidden_size, intermediate_size=intermediate,
                 )
+            else:
+                experts = ExpertParallelExperts(num_experts, mesh, spec.expert_act or config.hidden_act, **expert_options(spec, config))
             new = ExpertParallelMoE(
                 config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
                 router_attr=spec.router_attr, router_mode=spec.router, router_options=spec.router_options(config),
-                experts=experts,
+                router_bias=spec.router_bias, returns_scores=spec.block_returns_scores, experts=experts,
             )
         new.to(dtype)
         new.top_k_router.keep_bias_fp32()
@@ -186,19 +210,22 @@ def shard_moe(
     for index, old in old_blocks.items():
         new = getattr(layers[index], spec.block_attr)
         dtype = new.top_k_router.weight.dtype
-        gate_up = torch.empty(local, 2 * intermediate, config.hidden_size, dtype=dtype, device=device)
-        down = torch.empty(local, config.hidden_size, intermediate, dtype=dtype, device=device)
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in expert_shapes(spec, config, local)]
         with torch.no_grad():
             if on_meta:
-                load_local_experts(ckpt, spec, layout, index, mine, intermediate, gate_up, down)
+                load_local_experts(ckpt, spec, layout, index, mine, intermediate, *tensors)
             else:
                 old_experts = getattr(old, spec.experts_attr)
-                gate_up.copy_(old_experts.gate_up_proj[mine.start : mine.stop])
-                down.copy_(old_experts.down_proj[mine.start : mine.stop])
-                new.top_k_router.weight.copy_(getattr(old, spec.router_attr).weight)
+                names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+                for name, tensor in zip(names, tensors):
+                    tensor.copy_(getattr(old_experts, name)[mine.start : mine.stop])
+                old_router = getattr(old, spec.router_attr)
+                new.top_k_router.weight.copy_(old_router.weight)
+                if spec.router_bias:
+                    new.top_k_router.bias.copy_(old_router.bias)
                 if spec.score_bias is not None:
-                    new.top_k_router.score_bias.copy_(getattr(getattr(old, spec.router_attr), spec.score_bias))
-        new.experts.set_weights(_as_expert_dtensor(gate_up, mesh), _as_expert_dtensor(down, mesh))
+                    new.top_k_router.score_bias.copy_(getattr(old_router, spec.score_bias))
+        new.experts.set_weights(*(_as_expert_dtensor(t, mesh) for t in tensors))
     if ckpt is not None:
         ckpt.close()
     model.register_forward_pre_hook(_start_recording_router)
@@ -228,7 +255,12 @@ def load_model(
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
     config = AutoConfig.from_pretrained(model_dir)
-    spec_for(config)  # fail early, with the list of supported models
+    spec = spec_for(config)  # fail early, with the list of supported models
+    if attn_implementation == "sdpa" and not spec.supports_sdpa:
+        raise ValueError(
+            f"{spec.model_type} has no sdpa attention in transformers (its attention sinks need eager or flex); "
+            "set attn_implementation to 'eager' or 'flex_attention'"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     mesh = shard_moe(model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)

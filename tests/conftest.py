@@ -51,6 +51,10 @@ TINY_EXTRAS = {
         num_hidden_layers=3, routed_scaling_factor=1.5, norm_topk_prob=False, use_qk_norm=True, head_dim=16,
         attention_bias=True,
     ),
+    # gpt-oss: a sliding-window layer (window 4 < the tests' sequences) and a full one; limit 0.2 so the clamp bites (about a fifth of the tiny model's projections)
+    "gpt_oss": dict(
+        num_local_experts=4, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.2
+    ),
 }
 ARCHITECTURES = sorted(TINY_EXTRAS)
 

@@ -72,7 +72,8 @@ def check_local_experts(rank, world, ep_size, path, layout):
             assert rows == (mine.start, mine.stop), f"rank {rank} read rows {rows} of {name}"
         else:
             assert rows is None and int(EXPERT_NAME.search(name).group(2)) in mine, f"rank {rank} read {name}"
-    per_expert = 2 / local if stacked else 3  # gate, up, down each; or 2 stacked slices per layer
+    stacked_per_layer = 4 if spec.expert_bias else 2  # gate_up, down (and their biases: gpt-oss)
+    per_expert = stacked_per_layer / local if stacked else 3  # gate, up, down each; or stacked slices per layer
     assert len(expert_reads) == 2 * local * per_expert  # 2 MoE layers; every local tensor read exactly once
 
     moe_layers = 0
@@ -83,11 +84,14 @@ def check_local_experts(rank, world, ep_size, path, layout):
         moe_layers += 1
         got = getattr(layer, spec.block_attr)
         assert got.experts.gate_up_proj.to_local().shape[0] == local
-        torch.testing.assert_close(got.experts.gate_up_proj.to_local(), ref.experts.gate_up_proj[mine.start : mine.stop], rtol=0, atol=0)
-        torch.testing.assert_close(got.experts.down_proj.to_local(), ref.experts.down_proj[mine.start : mine.stop], rtol=0, atol=0)
+        for name in ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if spec.expert_bias else ()):
+            expected = getattr(ref.experts, name)[mine.start : mine.stop]
+            torch.testing.assert_close(getattr(got.experts, name).to_local(), expected, rtol=0, atol=0)
         torch.testing.assert_close(got.top_k_router.weight, getattr(ref, spec.router_attr).weight, rtol=0, atol=0)
         if spec.score_bias is not None:
             torch.testing.assert_close(got.top_k_router.score_bias, getattr(getattr(ref, spec.router_attr), spec.score_bias), rtol=0, atol=0)
+        if spec.router_bias:
+            torch.testing.assert_close(got.top_k_router.bias, getattr(ref, spec.router_attr).bias, rtol=0, atol=0)
     assert moe_layers == 2
     ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
@@ -114,6 +118,10 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
         for name, buf in model.named_buffers():  # a trained selection bias (DeepSeek-V3), not the zeros of init
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.05)
+        with torch.no_grad():  # zero-initialised weights (gpt-oss's expert biases) random, so a misplaced one shows
+            for p in model.parameters():
+                if not p.any():
+                    p.normal_(std=0.02)
         paths[arch] = str(tmp_path / arch)
         model.save_pretrained(paths[arch], max_shard_size="100KB")
         saved = json.load(open(os.path.join(paths[arch], "model.safetensors.index.json")))["weight_map"]
@@ -204,5 +212,5 @@ def test_unsupported_architecture_lists_supported():
 
     from megablocks_utils import spec_for
 
-    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['granitemoe', 'granitemoeshared', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
+    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['gpt_oss', 'granitemoe', .*'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
         spec_for(LlamaConfig())

@@ -1,7 +1,10 @@
-"""Both training scripts take non-Mixtral models from the table (Qwen2-MoE, DeepSeek-V3)."""
+"""Both training scripts take non-Mixtral models from the table (Qwen2-MoE, with its shared expert; DeepSeek-V3;
+gpt-oss, with expert biases, its clamped SwiGLU and sliding-window attention with sinks)."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,24 +32,42 @@ def make_model_dir(path: str, data_path: str, model_type: str) -> None:
     tokenizer.save_pretrained(path)
 
 
-@pytest.mark.parametrize("model_type,extra", [("qwen2_moe", []), ("deepseek_v3", ["--load_balance_coeff", "0.01"])])
+# gpt-oss has no sdpa attention in transformers; train_fsdp1 leaves the choice to transformers (eager for it).
+ATTENTION = {"gpt_oss": ["--attn_implementation", "eager"]}
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen2_moe", []), ("deepseek_v3", ["--load_balance_coeff", "0.01"]), ("gpt_oss", [])])
 def test_model_trains_the_same_in_both_scripts(tmp_path, model_type, extra):
     """train_fsdp1 wraps the model's own decoder layer (not accelerate.yaml's Mixtral class) and equals
-    train_fsdp2: Qwen2-MoE (shared expert, a dense layer between MoE layers) and DeepSeek-V3 (sigmoid
+    train_fsdp2: Qwen2-MoE (shared expert, a dense layer between MoE layers), DeepSeek-V3 (sigmoid
     group-limited routing, no aux loss, MLA, a dense first layer; GLM-4.5 shares its MoE block), whose
-    routing bias both scripts update after each optimizer step (load_balance_coeff)."""
+    routing bias both scripts update after each optimizer step (load_balance_coeff), and gpt-oss (expert
+    biases, clamped SwiGLU, sliding-window attention with sinks)."""
     with open(os.path.join(ROOT, "data.json")) as f:
         (tmp_path / "data.json").write_text(json.dumps(json.load(f)[:40]))
     model_dir = str(tmp_path / f"tiny-{model_type}")
     make_model_dir(model_dir, str(tmp_path / "data.json"), model_type)
     model = ["--model_name_or_path", model_dir, "--data_path", str(tmp_path / "data.json"), "--ep_size", "2", *extra]
-    fsdp2 = run_script("train_fsdp2.py", 2, *model, "--output_dir", str(tmp_path / "fsdp2"), *STEPS)
+    attention = ATTENTION.get(model_type, [])
+    fsdp2 = run_script("train_fsdp2.py", 2, *model, *attention, "--output_dir", str(tmp_path / "fsdp2"), *STEPS, "--save_steps", "2")
     assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
     accelerate_launch(readme_command(), *model, "--output_dir", str(tmp_path / "fsdp1"), *STEPS)
     fsdp1_records = read_jsonl(str(tmp_path / "fsdp1" / "metrics.jsonl"))
     fsdp2_records = read_jsonl(str(tmp_path / "fsdp2" / "metrics.jsonl"))
     assert len(fsdp2_records) == 2
     assert_same_steps(fsdp1_records, fsdp2_records, rel=1e-5)
+    # The export command on the last checkpoint writes the model the run itself exported (the model's own
+    # expert layout, biases included, through DCP and back).
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "exported")
+    ckpt = str(tmp_path / "fsdp2" / "checkpoints" / "step_00000002")
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, out], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.tensor([[1, 7, 42, 9, 3, 25]])
+    exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")(ids).logits
+    final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp2" / "final"), attn_implementation="eager")(ids).logits
+    torch.testing.assert_close(exported, final, rtol=0, atol=0)
     if extra:  # both moved DeepSeek-V3's own bias the same way, and exported it
         fsdp1_bias, fsdp2_bias = (score_biases(str(tmp_path / run / "final")) for run in ("fsdp1", "fsdp2"))
         assert sorted(fsdp2_bias) == ["model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.gate.e_score_correction_bias"]
