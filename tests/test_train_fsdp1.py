@@ -4,6 +4,7 @@ train_fsdp2.py and one process step by step, resumes exactly; FSDP1's clipped no
 import copy
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -319,3 +320,20 @@ def test_sigterm_saves_a_trainer_checkpoint_exits_zero_and_resumes(tiny_model_di
     accelerate_launch(readme_command(), "--model_name_or_path", tiny_model_dir, "--output_dir", out,
                       "--max_steps", str(steps + 1), "--resume_from_checkpoint", "last")
     assert [r["step"] for r in read_jsonl(metrics_path)] == list(range(1, steps + 2))
+
+
+def test_eval_loss_equals_train_fsdp2s(tiny_model_dir, small_data, tmp_path):
+    """Trainer's evaluation schedule (--eval_strategy steps --eval_steps 1, and the last step) gives the same
+    eval loss at the same steps as train_fsdp2.py's own (evaluate.py on the expert shards in both)."""
+    model = ["--model_name_or_path", tiny_model_dir, "--data_path", small_data, "--max_steps", "2", "--warmup_steps", "1",
+             "--ep_size", "2", "--per_device_train_batch_size", "2", "--eval_split", "0.1"]
+    accelerate_launch(readme_command(), *model, "--output_dir", str(tmp_path / "fsdp1"), "--eval_strategy", "steps",
+                      "--eval_steps", "1")
+    fsdp2 = run_script("train_fsdp2.py", 2, *model, "--output_dir", str(tmp_path / "fsdp2"), "--eval_steps", "1")
+    assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
+    one, two = (read_jsonl(str(tmp_path / run / "metrics.jsonl")) for run in ("fsdp1", "fsdp2"))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two):
+        assert math.isfinite(a["eval_loss"]) and a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
+    summary = json.load(open(tmp_path / "fsdp1" / "summary.json"))
+    assert summary["eval_loss"] == one[-1]["eval_loss"]
