@@ -206,9 +206,8 @@ from megablocks_utils.checkpoint import (  # noqa: E402
     copy_model_files,
     stop_if_save_failed,
 )
-from megablocks_utils.data import GlobalBatches, RankBatchSampler, build_dataset, collate, tokenize_records  # noqa: E402
+from megablocks_utils.data import GlobalBatches, RankBatchSampler, collate, load_training_data  # noqa: E402
 from megablocks_utils.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
     fsdp_on_cpu,
@@ -265,17 +264,9 @@ if use_cuda:
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    dataset, dropped, (held_out, data_format) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split,
-                                                              seed=args.seed, source=model_name_or_path)
-    n_samples = len(dataset)
-    eval_set = None
-    if eval_data_path:
-        eval_set = build_dataset(eval_data_path, tokenizer, max_length, source=model_name_or_path)[0]
-    elif held_out:
-        eval_set = tokenize_records(held_out, data_format, tokenizer, max_length, f"{data_path} (eval_split)")[0]
-    if packing:  # the same rows as train_fsdp2.py (megablocks_utils/packing.py)
-        dataset = pack_dataset(dataset, max_length, args.seed)
-        eval_set = pack_dataset(eval_set, max_length, args.seed) if eval_set is not None else None
+    data = load_training_data(data_path, tokenizer, max_length, packing=packing, seed=args.seed, eval_data_path=eval_data_path,
+                              eval_split=eval_split, source=model_name_or_path)
+    dataset, eval_set = data.train, data.eval
     batches = GlobalBatches(dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank,
                             args.seed, unit="packed rows" if packing else "samples")
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)
@@ -298,10 +289,7 @@ dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e 
 world_group = mesh.world.get_group()
 if master:
     print(
-        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {n_samples} {data_format} samples ({dropped} dropped: "
-        f"no label within max_length)" + (f" packed into {len(dataset)} rows of {max_length}" if packing else "")
-        + f"; {batches.per_step} {'rows' if packing else 'samples'} per step; {total_steps} steps"
-        + (f"; eval: {len(eval_set)} {'rows' if packing else 'samples'}" if eval_set is not None else ""),
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {data.describe(batches.per_step)}; {total_steps} steps",
         flush=True,
     )
 
@@ -510,7 +498,7 @@ if master:
     kept = prepare_output_dir(args.output_dir, RESULTS, overwrite_output_dir and resume is None, start_step,
                               {**settings, "training_args": args.to_dict(), "max_grad_norm": max_grad_norm})
 dist.barrier()
-step_metrics.log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size, samples_per_step=batches.per_step,
+step_metrics.log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size,
                               n_active=active_params(model, config, experts), config=config,
                               peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
 

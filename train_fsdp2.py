@@ -126,9 +126,8 @@ from megablocks_utils.checkpoint import (  # noqa: E402
     resolve_resume,
     save_checkpoint,
 )
-from megablocks_utils.data import GlobalBatches, build_dataset, collate, tokenize_records  # noqa: E402
+from megablocks_utils.data import GlobalBatches, collate, load_training_data  # noqa: E402
 from megablocks_utils.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.packing import pack_dataset  # noqa: E402
 from megablocks_utils.balance import add_routing_bias, routing_bias_exported, update_routing_bias  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
@@ -193,17 +192,9 @@ if use_cuda:
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    dataset, dropped, (held_out, data_format) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split,
-                                                              seed=seed, source=model_name_or_path)
-    n_samples = len(dataset)
-    eval_set = None
-    if eval_data_path:
-        eval_set = build_dataset(eval_data_path, tokenizer, max_length, source=model_name_or_path)[0]
-    elif held_out:
-        eval_set = tokenize_records(held_out, data_format, tokenizer, max_length, f"{data_path} (eval_split)")[0]
-    if packing:  # rows of several samples (megablocks_utils/packing.py); the eval loss is the same packed or not
-        dataset = pack_dataset(dataset, max_length, seed)
-        eval_set = pack_dataset(eval_set, max_length, seed) if eval_set is not None else None
+    data = load_training_data(data_path, tokenizer, max_length, packing=packing, seed=seed, eval_data_path=eval_data_path,
+                              eval_split=eval_split, source=model_name_or_path)
+    dataset, eval_set = data.train, data.eval
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
@@ -224,10 +215,7 @@ if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bia
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {n_samples} {data_format} samples ({dropped} dropped: "
-        f"no label within max_length)" + (f" packed into {len(dataset)} rows of {max_length}" if packing else "")
-        + f"; {batches.per_step} {'rows' if packing else 'samples'} per step; {total_steps} steps"
-        + (f"; eval: {len(eval_set)} {'rows' if packing else 'samples'}" if eval_set is not None else ""),
+        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {data.describe(batches.per_step)}; {total_steps} steps",
         flush=True,
     )
 
@@ -290,7 +278,7 @@ if master:
 
     progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 dist.barrier()
-log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size, samples_per_step=batches.per_step,
+log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size=world_size,
                  n_active=active_params(model, config, list(experts)), config=config,
                  peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
 world_group = mesh.world.get_group()

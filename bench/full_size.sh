@@ -16,11 +16,7 @@
 # Results: $OUT/full_size.jsonl (one record per variant), $OUT/<variant>.log, and a table printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_env.sh
 variants=${*:-hf ours_sel}
 out=${OUT:-/tmp/full_size_out}; mkdir -p "$out"
 results=$out/full_size.jsonl

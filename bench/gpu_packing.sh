@@ -9,11 +9,7 @@
 # Usage, from the repo root with .whl carried: bash bench/gpu_packing.sh   (results: $OUT/packing.jsonl, logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_env.sh
 out=${OUT:-/tmp/packing_out}; mkdir -p "$out"
 gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
 layers=${LAYERS:-4}

@@ -9,11 +9,7 @@
 # Results: $OUT/optim_quality.jsonl, $OUT/<regime>_<optim>.log, a table printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_env.sh
 out=${OUT:-/tmp/optim_quality}; mkdir -p "$out"
 work=${WORK:-/tmp/optim_quality_runs}; mkdir -p "$work"
 steps=${STEPS:-200}

@@ -56,16 +56,16 @@ class MetricsLog:
     """metrics.jsonl (one record per optimizer step, written by the rank given a path) and the
     run's totals for summary.json.
 
-    The run's constants (world size, samples per step, active parameters for the FLOPs, the
+    The run's constants (world size, active parameters for the FLOPs, the
     per-device peak for MFU; 0 = no MFU) are given once; ``record`` takes what changes each step.
     ``earlier``: the records kept from the run this one resumes, so ``final_loss`` is the last
     step's even when the resumed run has no step left to train.
     """
 
-    def __init__(self, path: str | None, *, aux_coef: float, world_size: int, samples_per_step: int, n_active: int,
+    def __init__(self, path: str | None, *, aux_coef: float, world_size: int, n_active: int,
                  config, peak_flops: float, device, earlier: list[dict] = ()):
         self.writer = JsonlWriter(path) if path else None
-        self.aux_coef, self.world_size, self.samples_per_step = aux_coef, world_size, samples_per_step
+        self.aux_coef, self.world_size = aux_coef, world_size
         self.n_active, self.config, self.peak_flops, self.device = n_active, config, peak_flops, device
         self.tokens = self.token_slots = 0.0  # real tokens and positions computed by this run (not the resumed one's)
         self.eval_loss = None  # the newest eval loss

@@ -21,6 +21,8 @@ ranks share it, which is what lets a 2-rank run be compared with a 1-rank run ex
 import glob
 import json
 import os
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -234,7 +236,7 @@ def _assistant_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[i
 def tokenize_chat(record: dict, tokenizer, max_length: int) -> dict:
     """The conversation through the tokenizer's chat template; labels on the assistant turns only."""
     messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if "{% generation %}" in tokenizer.chat_template.replace("{%- generation %}", "{% generation %}"):
+    if re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
@@ -292,6 +294,44 @@ def build_dataset(path: str, tokenizer, max_length: int, *, eval_split: float = 
     train, held = split_eval(records, eval_split, seed)
     dataset, dropped = tokenize_records(train, fmt, tokenizer, max_length, path)
     return dataset, dropped, (held, fmt)
+
+
+@dataclass
+class TrainingData:
+    """What a run trains and evaluates on: ``train`` (packed rows, or samples) and ``eval`` (the same kind, or None)."""
+
+    train: object
+    eval: object
+    samples: int  # training samples before packing
+    dropped: int
+    format: str
+    packing: bool
+    max_length: int
+
+    def describe(self, per_step: int) -> str:
+        unit = "rows" if self.packing else "samples"
+        text = f"{self.samples} {self.format} samples ({self.dropped} dropped: no label within max_length)"
+        if self.packing:
+            text += f" packed into {len(self.train)} rows of {self.max_length}"
+        text += f"; {per_step} {unit} per step"
+        return text + (f"; eval: {len(self.eval)} {unit}" if self.eval is not None else "")
+
+
+def load_training_data(data_path: str, tokenizer, max_length: int, *, packing: bool, seed: int, eval_data_path: str = "",
+                       eval_split: float = 0.0, source: str = "the model") -> TrainingData:
+    """Both scripts' data: read, check, hold out the eval share (or read eval_data_path), tokenize, pack."""
+    from .packing import pack_dataset
+
+    train, dropped, (held_out, fmt) = build_dataset(data_path, tokenizer, max_length, eval_split=eval_split, seed=seed, source=source)
+    samples, evaluation = len(train), None
+    if eval_data_path:
+        evaluation = build_dataset(eval_data_path, tokenizer, max_length, source=source)[0]
+    elif held_out:
+        evaluation = tokenize_records(held_out, fmt, tokenizer, max_length, f"{data_path} (eval_split)")[0]
+    if packing:  # the eval loss is the same packed or not; packed, it takes fewer forwards
+        train = pack_dataset(train, max_length, seed)
+        evaluation = pack_dataset(evaluation, max_length, seed) if evaluation is not None else None
+    return TrainingData(train, evaluation, samples, dropped, fmt, packing, max_length)
 
 
 class GlobalBatches:
@@ -353,8 +393,8 @@ def collate(samples: list[dict], pad_token_id: int, device) -> dict:
         if packed:  # the padding after the last document is a document of its own
             positions[i, :n] = torch.tensor(s["position_ids"])
             positions[i, n:] = torch.arange(length - n)
-            starts = [j for j, p in enumerate(s["position_ids"]) if p == 0] + [n]
-            attention_sq += sum((b - a) ** 2 for a, b in zip(starts, starts[1:]))
+            starts = torch.cat([(positions[i, :n] == 0).nonzero().flatten(), torch.tensor([n])])
+            attention_sq += int((starts.diff() ** 2).sum())
     return {
         "input_ids": input_ids.to(device),
         "attention_mask": None if packed else real.to(device),

@@ -89,7 +89,7 @@ def reduced_sums(ce_sum=10.0, tokens=8, token_slots=16, attention_sq=64.0):
 
 
 def metrics_log(path, **overrides):
-    facts = dict(aux_coef=0.1, world_size=2, samples_per_step=4, n_active=100, config=TinyConfig(), peak_flops=0.0, device=torch.device("cpu"))
+    facts = dict(aux_coef=0.1, world_size=2, n_active=100, config=TinyConfig(), peak_flops=0.0, device=torch.device("cpu"))
     return MetricsLog(path, **{**facts, **overrides})
 
 

@@ -186,3 +186,5 @@ def test_eval_split_is_fixed_and_disjoint():
     train, held = split_eval(records, 0.1, seed=3)
     assert len(held) == 5 and len(train) == 45 and not {r["text"] for r in held} & {r["text"] for r in train}
     assert split_eval(records, 0.1, seed=3) == (train, held)
+    with pytest.raises(DataError, match="leaves no training records"):
+        split_eval(records[:2], 0.9, seed=3)
