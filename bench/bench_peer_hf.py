@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer (activation_checkpointing_enable)")
     p.add_argument("--experts_implementation", default="", help="transformers' experts kernel; empty = its default (grouped_mm)")
     p.add_argument("--ep_implementation", default="all_to_all")
+    p.add_argument("--attn_implementation", default="", help="transformers' attention kernel; empty = its default for the model")
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--optimizer", choices=["fused", "foreach"], default="fused", help="torch AdamW kernel (fused on GPU only)")
@@ -124,6 +125,8 @@ def main() -> None:
     try:
         start = time.perf_counter()
         extra = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
+        if args.attn_implementation:
+            extra["attn_implementation"] = args.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(
             args.dir, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32,
             distributed_config=distributed_config, **extra,
@@ -134,6 +137,9 @@ def main() -> None:
                       experts_implementation=config._experts_implementation,
                       attn_implementation=config._attn_implementation,
                       output_router_logits=bool(getattr(config, "output_router_logits", False)))
+        # On one rank transformers applies neither FSDP nor EP (fsdp_size = ep_size = 1): the plain model trains.
+        fsdp_applied = hasattr(model, "set_requires_gradient_sync")
+        record["fsdp_applied"] = fsdp_applied
         if args.ac:
             model.activation_checkpointing_enable()
         model.train()
@@ -158,7 +164,8 @@ def main() -> None:
             step_loss = torch.zeros((), device=device)
             for i, ids in enumerate(batches):
                 # Gradients are reduced on the last micro-step only (Trainer's _defer_fsdp_gradient_reduction).
-                model.set_requires_gradient_sync(i == len(batches) - 1)
+                if fsdp_applied:
+                    model.set_requires_gradient_sync(i == len(batches) - 1)
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss / len(batches)
                 loss.backward()
                 step_loss += loss.detach()
