@@ -213,6 +213,7 @@ def run(args) -> None:
     work = args.work or tempfile.mkdtemp(prefix="bench_fsdp1_")
     os.makedirs(work, exist_ok=True)
     data, out_dir, log_path = (os.path.join(work, n) for n in ("data.json", "run", "launch.log"))
+    shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's metrics.jsonl would read as this run's steps
 
     # Enough distinct samples for every step: one epoch, no sample seen twice.
     per_step = args.micro_batch * args.grad_accum * args.gpus

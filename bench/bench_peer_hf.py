@@ -140,6 +140,8 @@ def main() -> None:
         # On one rank transformers applies neither FSDP nor EP (fsdp_size = ep_size = 1): the plain model trains.
         fsdp_applied = hasattr(model, "set_requires_gradient_sync")
         record["fsdp_applied"] = fsdp_applied
+        if not fsdp_applied:  # nor does it place the model: it stays where it was loaded (CPU)
+            model.to(device)
         if args.ac:
             model.activation_checkpointing_enable()
         model.train()

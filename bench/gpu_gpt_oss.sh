@@ -6,7 +6,8 @@
 #   3. speed: train_fsdp2.py (our layer, bf16 AdamW with stochastic rounding) and transformers' own model trained by
 #      bench_peer_hf.py (pure bf16, torch AdamW; on one GPU transformers applies neither FSDP nor EP), the same
 #      batch: $SEQ tokens x 4 micro-batches per step, eager attention (gpt-oss's sinks), 2 warmup + 3 measured steps.
-# Usage, from the repo root with .whl carried: bash bench/gpu_gpt_oss.sh   (results: $OUT/gpt_oss.jsonl, logs beside)
+# Usage, from the repo root with .whl carried: [STAGES="parity speed"] bash bench/gpu_gpt_oss.sh
+# (results: $OUT/gpt_oss.jsonl, logs beside; the speed stage runs both sides, so they share the call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
@@ -16,9 +17,13 @@ results=$out/gpt_oss.jsonl
 batch="--seq $seq --grad_accum 4 --warmup 2 --steps 3"
 echo "== $(date +%T) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); torch $(python3 -c 'import torch; print(torch.__version__)'), transformers $(python3 -c 'import transformers; print(transformers.__version__)')"
 [ -f "$ckpt/tokenizer_config.json" ] || python3 bench/gpt_oss.py write --dir "$ckpt" --layers "$layers" 2>&1 | grep -v -i warn | tail -2
-echo "== $(date +%T) parity (first 2 layers)"
-timeout -k 10 170 torchrun --standalone --nproc_per_node=1 bench/gpt_oss.py parity --dir "$ckpt" --layers 2 --out "$results" >"$out/parity.log" 2>&1
-grep -E "^(fp32|bf16|loss)|Error" "$out/parity.log" | tail -8 | cut -c1-400
+stages=${STAGES:-parity speed}
+if [[ " $stages " == *" parity "* ]]; then
+  echo "== $(date +%T) parity (first 2 layers)"
+  timeout -k 10 170 torchrun --standalone --nproc_per_node=1 bench/gpt_oss.py parity --dir "$ckpt" --layers 2 --out "$results" >"$out/parity.log" 2>&1
+  grep -E "^(fp32|bf16|loss)|Error" "$out/parity.log" | tail -8 | cut -c1-400
+fi
+[[ " $stages " == *" speed "* ]] || exit 0
 echo "== $(date +%T) ours: train_fsdp2.py"
 python3 bench/bench_fsdp1.py run --script train_fsdp2.py --dir "$ckpt" --layers "$layers" --hidden 2880 --intermediate 2880 --gpus 1 \
   $batch --train_args "--attn_implementation eager --optim adamw_bf16" --name gpt_oss_ours_fsdp2 --skip_export --timeout 200 \
