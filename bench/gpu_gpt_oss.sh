@@ -3,9 +3,10 @@
 #   1. a random bf16 checkpoint in save_pretrained's layout (bench/gpt_oss.py write), once per machine;
 #   2. parity with transformers on its first 2 layers: fp32 ours = transformers, and in bf16 ours no further from
 #      the fp32 truth than transformers' own bf16 model (bench/gpt_oss.py parity);
-#   3. speed: train_fsdp2.py (our layer, bf16 AdamW with stochastic rounding) and transformers' own model trained by
-#      bench_peer_hf.py (pure bf16, torch AdamW; on one GPU transformers applies neither FSDP nor EP), the same
-#      batch: $SEQ tokens x 4 micro-batches per step, eager attention (gpt-oss's sinks), 2 warmup + 3 measured steps.
+#   3. speed: transformers' own model trained by bench_peer_hf.py (pure bf16, torch AdamW; on one GPU transformers
+#      applies neither FSDP nor EP), then train_fsdp2.py (our layer, bf16 AdamW with stochastic rounding) once per
+#      entry of $OURS (default: as is, and with --compile_dense false); the same batch for all: $SEQ tokens x 4
+#      micro-batches per step, eager attention (gpt-oss's sinks), 2 warmup + 3 measured steps.
 # Usage, from the repo root with .whl carried: [STAGES="parity speed"] bash bench/gpu_gpt_oss.sh
 # (results: $OUT/gpt_oss.jsonl, logs beside; the speed stage runs both sides, so they share the call)
 set -uo pipefail
@@ -24,17 +25,24 @@ if [[ " $stages " == *" parity "* ]]; then
   grep -E "^(fp32|bf16|loss)|Error" "$out/parity.log" | tail -8 | cut -c1-400
 fi
 [[ " $stages " == *" speed "* ]] || exit 0
-echo "== $(date +%T) ours: train_fsdp2.py"
-python3 bench/bench_fsdp1.py run --script train_fsdp2.py --dir "$ckpt" --layers "$layers" --hidden 2880 --intermediate 2880 --gpus 1 \
-  $batch --train_args "--attn_implementation eager --optim adamw_bf16" --name gpt_oss_ours_fsdp2 --skip_export --timeout 200 \
-  --work /tmp/gpt_oss_work --out "$results" >"$out/ours.log" 2>&1
-grep -E '^  |Error|error' "$out/ours.log" | tail -6 | cut -c1-400
-cp /tmp/gpt_oss_work/launch.log "$out/ours_launch.log" 2>/dev/null
-sleep 3
 echo "== $(date +%T) transformers: bench_peer_hf.py"
-timeout -k 10 180 torchrun --standalone --nproc_per_node=1 bench/bench_peer_hf.py --dir "$ckpt" $batch --precision bf16 \
+timeout -k 10 150 torchrun --standalone --nproc_per_node=1 bench/bench_peer_hf.py --dir "$ckpt" $batch --precision bf16 \
   --attn_implementation eager --out "$results" >"$out/peer.log" 2>&1
 grep -E '^step |Error' "$out/peer.log" | tail -6 | cut -c1-400
+sleep 3
+# Ours, once per entry of $OURS (name=extra train_fsdp2 settings, ';'-separated).
+IFS=';' read -ra variants <<<"${OURS:-gpt_oss_ours_fsdp2=;gpt_oss_ours_fsdp2_nocompile=--compile_dense false}"
+for v in "${variants[@]}"; do
+  name=${v%%=*}; extra=${v#*=}
+  echo "== $(date +%T) ours: train_fsdp2.py $extra ($name)"
+  rm -rf /tmp/gpt_oss_work
+  python3 bench/bench_fsdp1.py run --script train_fsdp2.py --dir "$ckpt" --layers "$layers" --hidden 2880 --intermediate 2880 --gpus 1 \
+    $batch --train_args "--attn_implementation eager --optim adamw_bf16 $extra" --name "$name" --skip_export --timeout "${T_OURS:-110}" \
+    --work /tmp/gpt_oss_work --out "$results" >"$out/$name.log" 2>&1
+  grep -E '^  |Error|error' "$out/$name.log" | tail -4 | cut -c1-300
+  cp /tmp/gpt_oss_work/launch.log "$out/${name}_launch.log" 2>/dev/null
+  sleep 3
+done
 echo "== $(date +%T) done in $SECONDS s"
 python3 - "$results" <<'PY'
 import json, sys
