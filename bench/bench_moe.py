@@ -57,6 +57,19 @@ def dense_gemm_tflops(device) -> float:
     return 2 * 8192**3 / statistics.median(times) / 1e12
 
 
+def skew_routing_once(model, config, target: float, device, micro_batch: int, seq: int, rank: int) -> dict:
+    """routing_skew.py's hooks on every router, calibrated by one forward without gradients on a batch of random
+    ids (each rank its own; the loads are summed over ranks). Returns the record's routing fields."""
+    from routing_skew import skew_routing
+
+    skew = skew_routing(model, target, config.num_local_experts, config.num_experts_per_tok)
+    generator = torch.Generator(device=device).manual_seed(1000 + rank)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, config.vocab_size, (micro_batch, seq), device=device, generator=generator))
+    return {"routing_skew_target": target, "expert_load_max_over_mean": skew.ratios,
+            "expert_load_max_over_mean_unskewed": skew.uniform_ratios}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", choices=["eager", "grouped_mm", "ep", "megablocks"], required=True)
@@ -80,6 +93,8 @@ def main():
     p.add_argument("--selective_ac", action="store_true", help="(ep, megablocks) selective instead of full checkpointing with --ac")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="skewed routing: the busiest expert's load over the mean, per layer (routing_skew.py); 0 = the random weights' own")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--profile", default="", help="write a torch.profiler table of 2 measured steps to this file (rank 0)")
     args = p.parse_args()
@@ -145,6 +160,8 @@ def main():
             for layer in model.model.layers:
                 fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=not args.no_reshard)
             fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+        if args.skew:
+            record.update(skew_routing_once(model, config, args.skew, device, args.micro_batch, args.seq, rank))
         groups = [{"params": [q for q in model.parameters() if q not in experts]}]
         if experts:
             groups.append({"params": list(experts)})

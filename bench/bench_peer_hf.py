@@ -92,6 +92,8 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["fused", "foreach"], default="fused", help="torch AdamW kernel (fused on GPU only)")
     p.add_argument("--gpu_memory_gib", type=float, default=0.0,
                    help="cap each GPU's memory at this many GiB (to emulate a smaller GPU, as train_fsdp2's setting); 0 = all")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="skewed routing: the busiest expert's load over the mean, per layer (routing_skew.py); 0 = the weights' own")
     p.add_argument("--out", default="bench/results.jsonl")
     args = p.parse_args()
 
@@ -145,6 +147,10 @@ def main() -> None:
         if args.ac:
             model.activation_checkpointing_enable()
         model.train()
+        if args.skew:  # the same hooks as bench_moe.py's ours, calibrated on this rank's first batch
+            from bench_moe import skew_routing_once
+
+            record.update(skew_routing_once(model, config, args.skew, device, args.micro_batch, args.seq, rank))
         expert_params = [q for n, q in model.named_parameters() if ".experts." in n]
         n_active = active_params(model, config, expert_params)
         groups = param_groups_by_mesh(model)
