@@ -47,7 +47,7 @@ def load_ratio(counts: torch.Tensor) -> float:
 class RoutingSkew:
     """The hooks and their state; ``skew_routing`` makes one. ``ratios[i]``: the load ratio layer i was set to."""
 
-    def __init__(self, routers: list[nn.Module], target: float, top_k: int, seed: int, group=None):
+    def __init__(self, routers: list[nn.Module], target: float, top_k: int, seed: int, group=None, offsets=None):
         most = routers[0].weight.shape[0] / top_k  # every token sends one copy to the busiest expert
         if not 1.0 <= target <= most:
             raise ValueError(f"target={target}: the busiest expert's load over the mean is at least 1 and at most "
@@ -55,7 +55,9 @@ class RoutingSkew:
         self.target, self.top_k, self.group = target, top_k, group
         generator = torch.Generator().manual_seed(seed)
         self.directions = [torch.randn(r.weight.shape[0], generator=generator) for r in routers]
-        self.offsets: list[torch.Tensor | None] = [None] * len(routers)
+        self.offsets: list[torch.Tensor | None] = list(offsets) if offsets is not None else [None] * len(routers)
+        if len(self.offsets) != len(routers):
+            raise ValueError(f"{len(self.offsets)} offsets for {len(routers)} routers")
         self.ratios: list[float | None] = [None] * len(routers)
         self.uniform_ratios: list[float | None] = [None] * len(routers)
         self.handles = [r.register_forward_pre_hook(self._hook(i)) for i, r in enumerate(routers)]
@@ -101,7 +103,12 @@ class RoutingSkew:
             h.remove()
 
 
-def skew_routing(model: nn.Module, target: float, num_experts: int, top_k: int, seed: int = 0, group=None) -> RoutingSkew:
+def skew_routing(model: nn.Module, target: float, num_experts: int, top_k: int, seed: int = 0, group=None,
+                 offsets: list[torch.Tensor] | None = None) -> RoutingSkew:
     """Register the offset hooks on every router of ``model``; the next forward (run it under ``torch.no_grad`` on a
-    representative batch, on every rank) calibrates them. Collective: every rank must run that forward."""
-    return RoutingSkew(find_routers(model, num_experts), target, top_k, seed, group)
+    representative batch, on every rank) calibrates them. Collective: every rank must run that forward.
+    ``offsets``: another model's calibrated ``RoutingSkew.offsets`` (the same router weights) to apply as they are.
+
+    Two calibrations of models that differ only by rounding can land on slightly different offsets: the load ratio
+    is a step function of alpha, and the bisection stops at whichever step crosses the target."""
+    return RoutingSkew(find_routers(model, num_experts), target, top_k, seed, group, offsets)

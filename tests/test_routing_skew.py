@@ -63,8 +63,9 @@ def test_held_out_batches_get_the_asked_load_ratio(one_rank, target):
 
 
 def test_ours_routes_like_transformers_under_the_same_skew(one_rank):
-    """The hooks sit on transformers' gate and on our TopKRouter alike: same offsets (the same calibration batch),
-    the same experts for every token of another batch, and the same logits, in fp32."""
+    """The hooks sit on transformers' gate and on our TopKRouter alike: the offsets calibrated on transformers'
+    model, applied to ours, choose the same experts for every token of another batch and give the same logits
+    (fp32); ours calibrated on its own reaches the same ratio."""
     from megablocks_utils import shard_moe
 
     reference = mixtral()
@@ -72,12 +73,10 @@ def test_ours_routes_like_transformers_under_the_same_skew(one_rank):
     shard_moe(ours, 1, device="cpu")
     g = torch.Generator().manual_seed(2)
     calibration, batch = torch.randint(0, 256, (4, 64), generator=g), torch.randint(0, 256, (4, 64), generator=g)
-    skews = [skew_routing(m, 2.0, EXPERTS, TOP_K) for m in (reference, ours)]
+    reference_skew = skew_routing(reference, 2.0, EXPERTS, TOP_K)
     with torch.no_grad():
-        for m in (reference, ours):
-            m(input_ids=calibration)
-    for a, b in zip(*(s.offsets for s in skews)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        reference(input_ids=calibration)
+    skew = skew_routing(ours, 2.0, EXPERTS, TOP_K, offsets=reference_skew.offsets)
 
     choices = {}
     for name, m in (("reference", reference), ("ours", ours)):
@@ -90,7 +89,12 @@ def test_ours_routes_like_transformers_under_the_same_skew(one_rank):
             h.remove()
     assert all(torch.equal(a, b) for a, b in zip(choices["reference"][1], choices["ours"][1]))
     torch.testing.assert_close(choices["ours"][0], choices["reference"][0], rtol=1e-5, atol=1e-5)
-    assert min(skews[0].ratios) > 1.9
+    assert min(reference_skew.ratios) > 1.9
+    skew.remove()
+    own = skew_routing(ours, 2.0, EXPERTS, TOP_K)
+    with torch.no_grad():
+        ours(input_ids=calibration)
+    assert all(abs(a - b) < 0.05 for a, b in zip(own.ratios, reference_skew.ratios)), (own.ratios, reference_skew.ratios)
 
 
 @pytest.mark.parametrize("target", [0.5, 4.5])
