@@ -41,6 +41,8 @@ OPTIM_BYTES = {
 COMPUTE_BYTES = 2  # bf16: FSDP's param_dtype, the gathered weight copies and every activation element
 GATHERED_LAYERS = 2  # decoder layers whose weights are gathered at once: the one computing and the one prefetched
 # A layer's gradient before reduce-scatter: as the backward produces it (bf16) and its fp32 copy (reduce_dtype).
+# Experts on a one-rank FSDP mesh (dp = 1) reduce in bf16 (parallelize.expert_reduce_dtype): their copy is 2 bytes,
+# so there the estimate is high by 2 bytes per local expert parameter of one layer (not yet measured on a GPU).
 UNSHARDED_GRAD_BYTES = 2 + 4
 # Gradient accumulation with set_requires_gradient_sync(False): FSDP2 keeps every parameter's unsharded
 # gradient, upcast to reduce_dtype (fp32), from the first micro-step until the last one reduce-scatters it.

@@ -44,7 +44,8 @@ def parallelize(
 ) -> int:
     """Apply EP (if not yet), activation checkpointing, compile and FSDP2 to ``model`` in place.
 
-    ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32).
+    ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32, but for
+    experts whose reduction is only a copy: ``expert_reduce_dtype``).
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). Returns the
     number of modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print.
     """
@@ -65,11 +66,28 @@ def _expert_shard_dim(param: nn.Parameter) -> Shard:
     return Shard(1)
 
 
+def expert_reduce_dtype(mesh: MoEMesh, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype FSDP reduces expert gradients in: fp32, except where the "reduction" is a copy.
+
+    With each ep rank holding its experts whole and no replica (the expert FSDP mesh has one rank: ep = world
+    size, or one GPU), nothing is summed; the gradient is only divided by ``world_size`` and accumulated into
+    the sharded gradient at every micro-step (``set_gradient_sync``). For a power-of-two world size that
+    division is exact in bf16, so reducing in ``param_dtype`` gives the same bits as fp32 (for gradients above
+    bf16's smallest normal, ~1e-38) and skips an fp32 copy of every expert gradient per micro-step. Dense
+    gradients keep fp32: they accumulate unsharded across micro-steps, in the reduce dtype.
+    """
+    world = mesh.world_size
+    if mesh.expert_fsdp.size() == 1 and world & (world - 1) == 0:
+        return param_dtype
+    return torch.float32
+
+
 def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # The experts' inputs include the fp32 router weights: FSDP must not cast them to bf16 (it casts a
     # module's forward inputs, but not again when activation checkpointing recomputes the layer).
-    expert_mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    expert_mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=expert_reduce_dtype(mesh, param_dtype),
+                                            cast_forward_inputs=False)
     for block in moe_blocks(model):
         experts = fully_shard(
             block.experts, mesh=mesh.expert_fsdp, mp_policy=expert_mp_policy, reshard_after_forward=reshard_after_forward,

@@ -162,3 +162,41 @@ def check_bf16_recompute(rank, world):
 
 def test_bf16_activation_checkpointing_recomputes_what_the_forward_saw():
     run_ranks(check_bf16_recompute, 2)
+
+
+def check_bf16_expert_reduce_is_exact(rank, world):
+    """At ep = world size the experts' FSDP mesh has one rank, so their gradients are reduced in bf16
+    (``expert_reduce_dtype``): over two micro-steps they equal, bit for bit, the gradients reduced in fp32,
+    for fp32 master weights (adamw_torch) and for bf16 weights (adamw_bf16). With dp > 1 they stay fp32."""
+    from transformers import AutoModelForCausalLM
+
+    import megablocks_utils.parallelize as parallelize_module
+    from megablocks_utils.parallelize import expert_reduce_dtype, set_gradient_sync
+
+    config = tiny_moe_config("mixtral")
+    input_ids, mask, labels = make_batch(config.vocab_size, batch=8)
+    assert expert_reduce_dtype(build_mesh(2, "cpu"), torch.bfloat16) is torch.bfloat16
+    assert expert_reduce_dtype(build_mesh(1, "cpu"), torch.bfloat16) is torch.float32  # dp = 2: a real sum
+    chosen = parallelize_module.expert_reduce_dtype
+    for weights in (torch.float32, torch.bfloat16):
+        grads = {}
+        for reduce in ("chosen", "fp32"):
+            parallelize_module.expert_reduce_dtype = chosen if reduce == "chosen" else (lambda mesh, dtype: torch.float32)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).to(weights)
+            mesh = build_mesh(2, "cpu")
+            parallelize(model, mesh, param_dtype=torch.bfloat16, device="cpu")
+            for micro in range(2):
+                set_gradient_sync(model, mesh, last_micro_step=micro == 1)
+                rows = slice((2 * micro + rank) * 2, (2 * micro + rank + 1) * 2)
+                out = model(input_ids[rows], attention_mask=mask[rows])
+                (world * causal_lm_loss_sum(out.logits.float(), labels[rows]) / count_label_tokens(labels)).backward()
+            grads[reduce] = {n: p.grad.to_local().clone() for n, p in model.named_parameters() if ".experts." in n}
+        parallelize_module.expert_reduce_dtype = chosen
+        assert grads["fp32"] and grads["chosen"].keys() == grads["fp32"].keys()
+        for name, grad in grads["chosen"].items():
+            assert grad.dtype == weights and torch.equal(grad, grads["fp32"][name]), (weights, name)
+
+
+def test_bf16_expert_reduce_equals_fp32_when_nothing_is_summed():
+    run_ranks(check_bf16_expert_reduce_is_exact, 2)
