@@ -7,6 +7,10 @@ before transformers and the distributed stack are loaded.
 
 import importlib
 
+from .quiet import drop_known_startup_noise
+
+drop_known_startup_noise()  # before transformers imports torchao: see quiet.py
+
 _MODULE_OF = {
     "RouterStats": "aux_loss",
     "router_stats": "aux_loss",
