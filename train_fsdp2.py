@@ -40,7 +40,7 @@ lr_scheduler_type = "cosine"  # "cosine", "cosine_with_min_lr" (down to min_lr_r
 min_lr_rate = 0.1  # cosine_with_min_lr: the final learning rate as a fraction of learning_rate
 warmup_steps = 5.0  # linear warmup steps; below 1, a fraction of the total steps (as TrainingArguments)
 warmup_ratio = 0.0  # linear warmup as a fraction of the total steps; when > 0 it replaces warmup_steps
-weight_decay = 0.0  # AdamW weight decay
+weight_decay = 0.0  # AdamW weight decay (not on norms and biases, as Trainer)
 adam_beta1 = 0.9  # AdamW's decay rate of the gradient average
 adam_beta2 = 0.95  # AdamW's decay rate of the squared-gradient average
 adam_epsilon = 1e-8  # AdamW's denominator guard
@@ -133,7 +133,7 @@ from megablocks_utils.export import export_hf  # noqa: E402
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
-from megablocks_utils.optim import build_optimizer, param_dtype, state_bytes  # noqa: E402
+from megablocks_utils.optim import build_optimizer, param_dtype, parameter_groups, state_bytes  # noqa: E402
 from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
 from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
@@ -230,10 +230,9 @@ experts = set(expert_parameters(model))  # FSDP replaced them with its sharded p
 model.train()
 
 # ----------------------------------------------------------------------------- optimizer and schedule
-# Two parameter groups: dense (FSDP's mesh) and experts (the expert mesh); foreach and fused
-# kernels cannot mix DTensors of different meshes in one call.
-dense_params = [p for p in model.parameters() if p not in experts]
-optimizer = build_optimizer(optim, [{"params": dense_params}, {"params": list(experts)}], lr=learning_rate,
+# Parameter groups per mesh, dense (FSDP's) and experts (the expert mesh): foreach and fused kernels cannot
+# mix DTensors of different meshes in one call. With weight decay, norms and biases get none (as Trainer).
+optimizer = build_optimizer(optim, parameter_groups(model, experts, weight_decay), lr=learning_rate,
                             betas=(adam_beta1, adam_beta2), eps=adam_epsilon, weight_decay=weight_decay, device_type=device.type)
 warmup = warmup_ratio or warmup_steps  # steps, or below 1 a fraction of the total steps (TrainingArguments' rule)
 scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(warmup * total_steps) if warmup < 1 else int(warmup),

@@ -72,6 +72,34 @@ def _torchao_optim():
     return torchao.optim
 
 
+# Trainer's rule (transformers 5.23, ``Trainer.get_decay_parameter_names``): no weight decay for biases, norm
+# weights and anything inside an nn.LayerNorm, so both scripts decay the same parameters
+# (tests/test_optim.py compares the two lists on every architecture).
+NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def decay_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The names of the parameters that weight decay applies to (Trainer's rule)."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAME_PATTERNS))
+
+
+def parameter_groups(model: torch.nn.Module, expert_params: set, weight_decay: float) -> list[dict]:
+    """The optimizer's groups: one per mesh (dense FSDP shards, expert shards), and with ``weight_decay`` > 0
+    each split into decayed and not decayed parameters (Trainer's rule, ``decay_parameter_names``)."""
+    named = list(model.named_parameters())
+    by_mesh = [[(n, p) for n, p in named if p not in expert_params], [(n, p) for n, p in named if p in expert_params]]
+    if weight_decay == 0:  # two groups, as checkpoints written without weight decay hold them
+        return [{"params": [p for _, p in params]} for params in by_mesh]
+    decay = decay_parameter_names(model)
+    groups = []
+    for params in by_mesh:
+        groups.append({"params": [p for n, p in params if n in decay]})
+        groups.append({"params": [p for n, p in params if n not in decay], "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(
     optim: str,
     param_groups: list[dict],

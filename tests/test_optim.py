@@ -1,10 +1,11 @@
 """Every `optim` trains our EP + FSDP2 model in the precision it promises (2 gloo ranks, two meshes)."""
 
 import torch
-from conftest import run_ranks, tiny_mixtral_config
+import pytest
+from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_config
 
 from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, count_label_tokens, expert_parameters
-from megablocks_utils.optim import OPTIMIZERS, build_optimizer, param_dtype, state_bytes
+from megablocks_utils.optim import OPTIMIZERS, build_optimizer, decay_parameter_names, param_dtype, parameter_groups, state_bytes
 from megablocks_utils.parallelize import parallelize
 
 # Optimizer state bytes per parameter each option promises (AdamW's two moments): fp32, bf16, and 8-bit
@@ -68,3 +69,38 @@ def _state_bytes_of(state: dict) -> int:
 
 def test_every_optim_trains_in_its_precision_on_two_meshes():
     run_ranks(check_every_optim, 2)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_weight_decay_skips_what_trainer_skips(arch):
+    """train_fsdp2's decayed parameters are Trainer's (train_fsdp1), on transformers' model and on ours after the
+    MoE swap (same names); norms and biases are left out, the rest kept; the groups keep the meshes apart."""
+    import copy
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from megablocks_utils import shard_moe
+    from conftest import free_port
+
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
+    trainers = set(Trainer.get_decay_parameter_names(None, model))  # it reads nothing of the Trainer itself
+    ours = decay_parameter_names(model)
+    assert ours == trainers
+    names = {n for n, _ in model.named_parameters()}
+    assert any("norm" in n for n in names - ours) and not any("norm" in n or "bias" in n for n in ours)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        swapped = copy.deepcopy(model)
+        shard_moe(swapped, 1, device="cpu")
+        assert decay_parameter_names(swapped) == trainers
+        experts = set(expert_parameters(swapped))
+        groups = parameter_groups(swapped, experts, weight_decay=0.1)
+        assert sum(len(g["params"]) for g in groups) == len(names)
+        for g in groups:  # one mesh per group; the not-decayed groups say so
+            assert len({p in experts for p in g["params"]}) == 1
+            decayed = {id(p) for n, p in swapped.named_parameters() if n in trainers}
+            assert all((id(p) in decayed) == ("weight_decay" not in g) for p in g["params"])
+        assert len(parameter_groups(swapped, experts, weight_decay=0.0)) == 2
+    finally:
+        dist.destroy_process_group()
