@@ -156,15 +156,34 @@ def check_records(records, path: str) -> str:
     return fmt
 
 
+_LAST_READ: dict = {}  # the last two read_records results (train and eval data), by path and its files' sizes and times
+
+
+def _stamp(path: str) -> tuple:
+    """What changes when a data file or directory changes: its entries' sizes and modification times."""
+    paths = [path] if not os.path.isdir(path) else sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files)
+    return tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+
+
 def read_records(path: str) -> tuple[list[dict], str]:
-    """Read and check a data file or directory: its records and their format."""
+    """Read and check a data file or directory: its records and their format.
+
+    The scripts call this twice per process, to check the inputs before anything heavy and again to tokenize:
+    the second call of the same unchanged path returns the first one's records (the list is not modified)."""
     if not os.path.exists(path):
         raise DataError(f"data file {path!r} does not exist; set data_path to {FILE_KINDS}")
+    key = (os.path.abspath(path), _stamp(path))
+    if key in _LAST_READ:
+        return _LAST_READ[key]
     if os.path.isdir(path) or path.endswith(".parquet"):
         records = _load_with_datasets(path)
     else:
         records = _load_json(path)
-    return records, check_records(records, path)
+    result = records, check_records(records, path)
+    _LAST_READ[key] = result
+    while len(_LAST_READ) > 2:
+        del _LAST_READ[next(iter(_LAST_READ))]
+    return result
 
 
 def read_alpaca(path: str) -> list[dict]:

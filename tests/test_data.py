@@ -188,3 +188,27 @@ def test_eval_split_is_fixed_and_disjoint():
     assert split_eval(records, 0.1, seed=3) == (train, held)
     with pytest.raises(DataError, match="leaves no training records"):
         split_eval(records[:2], 0.9, seed=3)
+
+
+def test_a_data_file_is_read_once_per_process_until_it_changes(tmp_path, monkeypatch):
+    """The scripts check the data before anything heavy and read it again to tokenize: the second read of an
+    unchanged file (or directory) is the first one's, for train and eval data alike; a changed file is read anew."""
+    import time
+
+    import megablocks_utils.data as data
+
+    loads = []
+    real_json, real_datasets = data._load_json, data._load_with_datasets
+    monkeypatch.setattr(data, "_load_json", lambda path: loads.append(path) or real_json(path))
+    monkeypatch.setattr(data, "_load_with_datasets", lambda path: loads.append(path) or real_datasets(path))
+    train, held = tmp_path / "train.json", tmp_path / "eval.jsonl"
+    train.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}]))
+    held.write_text(json.dumps({"text": "c"}) + "\n")
+    for _ in range(2):  # check, then load: train and eval each
+        assert data.read_records(str(train)) == ([{"instruction": "a", "input": "", "output": "b"}], "alpaca")
+        assert data.read_records(str(held)) == ([{"text": "c"}], "text")
+    assert loads == [str(train), str(held)]
+    time.sleep(0.01)
+    train.write_text(json.dumps([{"prompt": "p", "completion": "q"}]))
+    assert data.read_records(str(train)) == ([{"prompt": "p", "completion": "q"}], "prompt_completion")
+    assert loads == [str(train), str(held), str(train)]
