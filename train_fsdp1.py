@@ -16,7 +16,6 @@ import errno
 import json
 import math
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -198,7 +197,7 @@ from megablocks_utils import (  # noqa: E402
     sync_expert_grads,
 )
 from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
-from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
+from megablocks_utils.bookkeeping import StopSignal, prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     DISK_FULL_IN_SAVE_ENV,
     SAVE_ERRORS,
@@ -229,8 +228,7 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 master = rank == 0
 # SIGTERM (a scheduler's notice before preemption) only raises a flag, installed first thing; the
 # StopOnSigterm callback below ends the run at the next step's end with a saved checkpoint.
-sigterm = torch.zeros(1, device=device)
-signal.signal(signal.SIGTERM, lambda signum, frame: sigterm.fill_(1))
+stop_signal = StopSignal(device)
 try:
     nonfinite_steps = NonFiniteSteps(nonfinite, max_consecutive_skips)
 except ValueError as e:
@@ -326,8 +324,7 @@ class StopOnSigterm(TrainerCallback):
     """After SIGTERM reached any rank: all ranks save a Trainer checkpoint at this step's end and stop."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        dist.all_reduce(sigterm, op=dist.ReduceOp.MAX)  # ranks may be signalled at different moments
-        if sigterm.item() and state.global_step < state.max_steps:
+        if stop_signal.agreed() and state.global_step < state.max_steps:  # ranks may be signalled at different moments
             control.should_save = True
             control.should_training_stop = True
 
@@ -514,7 +511,7 @@ except NonFiniteStep as e:
     saved = [(int(c.rsplit("-", 1)[1]), c) for c in complete_trainer_checkpoints(args.output_dir)]
     fail(f"{e}; stopped without applying or saving this step; "
          f"{where_to_continue(e.step, saved, '--resume_from_checkpoint', '--save_strategy steps --save_steps N')}")
-if sigterm.item() and result.global_step < total_steps:
+if stop_signal.stopping and result.global_step < total_steps:
     if master:
         print(f"SIGTERM: saved {os.path.join(args.output_dir, f'checkpoint-{result.global_step}')}; "
               "continue with --resume_from_checkpoint last", flush=True)

@@ -9,7 +9,6 @@ Edit the settings below or override any of them from a file (--config run.yaml) 
 
 import math
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -117,7 +116,7 @@ from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats, spec_for  # noqa: E402
 from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
-from megablocks_utils.bookkeeping import prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
+from megablocks_utils.bookkeeping import StopSignal, prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
 from megablocks_utils.checkpoint import (  # noqa: E402
     CheckpointError,
     checkpoint_step,
@@ -153,8 +152,7 @@ master = rank == 0
 # Schedulers send SIGTERM before preemption: finish the step, save, exit 0. Installed first thing,
 # so a signal during loading is honoured after the first step; ranks agree on stopping at each
 # step's end (a signal can reach them at different moments).
-stop_requested = torch.zeros(1, device=device)
-signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
+stop_signal = StopSignal(device)
 try:
     nonfinite_steps = NonFiniteSteps(nonfinite, max_consecutive_skips)
 except ValueError as e:
@@ -337,8 +335,7 @@ for step in range(start_step, total_steps):
                                  **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}))
     if save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps):
         checkpoint(step + 1)
-    dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)
-    if stop_requested.item() and step + 1 < total_steps:
+    if stop_signal.agreed() and step + 1 < total_steps:
         if save_steps <= 0 or (step + 1) % save_steps != 0:
             checkpoint(step + 1)
         if master:

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, free_port, read_jsonl
+from conftest import ROOT, free_port, read_jsonl, run_ranks
 from test_bad_input import assert_one_message, run_plain
 
 from megablocks_utils.bookkeeping import (
@@ -371,3 +371,25 @@ def test_full_disk_while_saving_stops_with_one_message(tiny_model_dir, tmp_path,
     assert_one_message(result, f"error: the disk is full: saving the checkpoint of step 2 to {partial} failed")
     assert f"the last complete checkpoint is {last}" in result.stderr, result.stderr[-3000:]
     assert not partial.exists() and last.is_dir(), os.listdir(left)
+
+
+def check_stop_signal_is_agreed(rank, world):
+    import os
+    import signal
+
+    from megablocks_utils.bookkeeping import StopSignal
+
+    stop = StopSignal(torch.device("cpu"))
+    assert stop.agreed() is False
+    if rank == 1:  # the signal lands right after this step's all-reduce, before anything reads a decision
+        os.kill(os.getpid(), signal.SIGTERM)
+    decided_now = stop.stopping
+    assert decided_now is False  # this step's decision stands on every rank
+    assert stop.agreed() is True and stop.stopping  # and the next step's end stops every rank
+    assert stop.raised is (rank == 1)
+
+
+def test_sigterm_between_the_all_reduce_and_the_decision_counts_next_step_on_every_rank():
+    """The race that failed CI (2026-11-23): a rank signalled just after the step's all-reduce read the
+    flag as set and stopped (and saved) alone. Now each step's decision is the all-reduced value only."""
+    run_ranks(check_stop_signal_is_agreed, 2)
