@@ -247,3 +247,18 @@ def test_adamw_bf16_resumes_with_the_same_losses(tiny_model_dir, tmp_path):
     assert got[0] == expected[2]
     for (_, loss, norm), (_, loss_ref, norm_ref) in zip(got, expected[2:]):
         assert abs(loss - loss_ref) <= 1e-4 * loss_ref and abs(norm - norm_ref) <= 1e-3 * norm_ref, (got, expected)
+
+
+def test_resume_with_packing_changed_warns_and_goes_on(two_rank_run, tiny_model_dir, small_data, tmp_path):
+    """The shared 2-rank run (packed rows) resumed from its step-2 checkpoint with packing off: the data order
+    cannot continue the original run's, and the run says so before it trains on."""
+    from conftest import TWO_RANK_ARGS
+
+    out = str(tmp_path / "run")
+    shutil.copytree(os.path.join(two_rank_run, "checkpoints", "step_00000002"), os.path.join(out, "checkpoints", "step_00000002"))
+    result = train(tiny_model_dir, out, 2, *standard_args(tiny_model_dir, small_data)[2:], *TWO_RANK_ARGS, "--resume", "auto",
+                   "--packing", "false", "--max_steps", "3")
+    assert resumed_at(result) == 2
+    assert re.search(r"warning: the checkpoint's run used \d+ rows per step, this one \d+ samples: the data order after "
+                     r"resume differs from the original run", result.stdout), result.stdout[-2000:]
+    assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [3]
