@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node=1 bench/profile_run.py --out prof.txt train_fsdp2.py --max_steps 4 ...
 
-The whole run is recorded (loading, compiling and warmup too: keep it to a few steps); rank 0 writes the
-operators sorted by their total device time, and the total device time per step-sized bucket is not
-attempted: compare two scripts by their top kernels and their sum.
+The whole run is recorded (loading, compiling, warm-up and export too: keep it to a few steps), so the
+table is not per step; rank 0 writes the operators sorted by their own device time. Compare two scripts
+by their top kernels and their call counts.
 """
 
 import os

@@ -162,7 +162,7 @@ _LAST_READ: dict = {}  # the last two read_records results (train and eval data)
 def _stamp(path: str) -> tuple:
     """What changes when a data file or directory changes: its entries' sizes and modification times."""
     paths = [path] if not os.path.isdir(path) else sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files)
-    return tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+    return tuple((p, s.st_size, s.st_mtime_ns) for p, s in ((p, os.stat(p)) for p in paths))
 
 
 def read_records(path: str) -> tuple[list[dict], str]:
