@@ -147,7 +147,7 @@ def main() -> None:
         if args.ac:
             model.activation_checkpointing_enable()
         model.train()
-        if args.skew:  # the same hooks as bench_moe.py's ours, calibrated on this rank's first batch
+        if args.skew:  # the same hooks as bench_moe.py's ours, calibrated on a batch of their own
             from bench_moe import skew_routing_once
 
             record.update(skew_routing_once(model, config, args.skew, device, args.micro_batch, args.seq, rank))
