@@ -188,6 +188,49 @@ def _fused(fn):
     return torch.compile(fn)
 
 
+def _gather_sum(grad: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Tensor:
+    """Row t of the result: the sum, in fp32, of rows ``copy_row[t * k : (t + 1) * k]`` of ``grad``."""
+    return grad[copy_row].view(-1, k, grad.shape[-1]).float().sum(dim=1).to(grad.dtype)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[token_of_copy]`` (each token's k copies, in expert order) with a gather for its backward.
+
+    Autograd's backward of the indexing is a scatter-add into x (index_put with accumulate: on CUDA a sort
+    and a serial pass over duplicate indices). Each token's k copies sit at known rows (``copy_row``), so the
+    gradient of a token is the sum of those k rows: a gather, summed in fp32 (as that kernel accumulates).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_of_copy: torch.Tensor, copy_row: torch.Tensor, k: int, fuse: bool) -> torch.Tensor:
+        ctx.save_for_backward(copy_row)
+        ctx.k, ctx.fuse = k, fuse
+        return x[token_of_copy]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (copy_row,) = ctx.saved_tensors
+        return (_fused(_gather_sum) if ctx.fuse else _gather_sum)(grad, copy_row, ctx.k), None, None, None, None
+
+
+class _ExpertBias(torch.autograd.Function):
+    """``rows + bias[row_expert]`` for rows grouped by expert (``counts`` rows each), with a segment sum for
+    the bias gradient: autograd's scatter-add of thousands of rows into a few expert rows runs serially over
+    the duplicates on CUDA. Summed in fp32; no host sync (``unsafe``: the counts are ours, and sum to the rows)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, bias: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counts)
+        ctx.bias_dtype = bias.dtype
+        return rows + bias[row_expert]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (counts,) = ctx.saved_tensors
+        grad_bias = torch.segment_reduce(grad.float(), "sum", lengths=counts, axis=0, unsafe=True)
+        return grad, grad_bias.to(ctx.bias_dtype), None, None
+
+
 class _ReuseCast(torch.autograd.Function):
     """``weight.to(low.dtype)`` whose value was computed earlier (``low``); the backward is the cast's."""
 
@@ -287,8 +330,12 @@ class ExpertParallelExperts(nn.Module):
             return _clamped_swiglu(gate, up, *self.clamped_swiglu)
         return self.act_fn(gate) * up
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
-        """Run the local experts on rows of ``x`` already grouped by local expert."""
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
+        """Run the local experts on rows of ``x`` already grouped by local expert.
+
+        ``counts_host`` (``counts`` as a list) is needed only by the per-expert loop; without it the loop reads
+        ``counts`` itself, a host sync that the grouped GEMM path never makes.
+        """
         weights = self._local_weights(x.dtype)
         if grouped_mm_supported(x) and not self.force_loop:
             w_gate_up, w_down = weights[:2]
@@ -298,14 +345,14 @@ class ExpertParallelExperts(nn.Module):
             gate_up = _grouped_mm(x, w_gate_up, offs)
             if self.has_bias:  # each row's expert, without a host sync
                 row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
-                gate_up = gate_up + weights[2][row_expert]
+                gate_up = _ExpertBias.apply(gate_up, weights[2], row_expert, counts)
             if self.fuse_elementwise(gate_up) and self.is_silu:
                 hidden = _fused(_silu_mul)(gate_up)
             else:
                 hidden = self._activate(gate_up)
             out = _grouped_mm(hidden, w_down, offs)
-            return out + weights[3][row_expert] if self.has_bias else out
-        return self.expert_loop(x, counts_host, *weights)
+            return _ExpertBias.apply(out, weights[3], row_expert, counts) if self.has_bias else out
+        return self.expert_loop(x, counts.tolist() if counts_host is None else counts_host, *weights)
 
     def expert_loop(
         self,
@@ -336,12 +383,14 @@ class ExpertParallelExperts(nn.Module):
         flat_expert = top_i.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of_copy = order // k
-        routed = x[token_of_copy]
+        # copy_row[t * k + j]: the row (in expert order) of token t's j-th choice.
+        copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        routed = _Dispatch.apply(x, token_of_copy, copy_row, k, self.fuse_elementwise(x))
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
         ep, local = self.mesh.ep_size, self.num_local_experts
 
-        if ep == 1:
-            out = self.compute(routed, counts, counts.tolist())
+        if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
+            out = self.compute(routed, counts)
         else:
             group = self.mesh.ep_group
             # recv_counts[s * local + e]: copies rank s sends to my local expert e.
@@ -362,9 +411,7 @@ class ExpertParallelExperts(nn.Module):
             source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
             out = all_to_all_single_autograd(source_major, send_splits, recv_splits, group)
 
-        if self.fuse_elementwise(out):
-            # out is in expert order; copy_row[t * k + j] is the row of token t's j-th choice.
-            copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        if self.fuse_elementwise(out):  # out is in expert order
             return _fused(_gather_combine)(out, copy_row, top_w, x.dtype)
         weights = top_w.reshape(-1)[order]
         return torch.zeros_like(x).index_add(0, token_of_copy, _weigh(out, weights, x.dtype))

@@ -1,9 +1,10 @@
-"""The GPU combine of expert outputs (gather + weighted sum, compiled on CUDA) against the reference
-weighting + index_add that CPU runs use: same values and gradients. Runs the function eagerly on CPU."""
+"""The MoE layer's own autograd pieces against what plain indexing computes: the combine of expert outputs
+(gather + weighted sum, compiled on CUDA) against weighting + index_add, the dispatch's gather-sum backward,
+the per-expert bias's segment-sum backward; and no host sync at ep = 1 on the grouped GEMM path. Eager, on CPU."""
 
 import torch
 
-from megablocks_utils.moe_layer import _gather_combine, _weigh
+from megablocks_utils.moe_layer import _Dispatch, _ExpertBias, _gather_combine, _weigh
 
 
 def test_gather_combine_equals_weighted_index_add():
@@ -26,3 +27,67 @@ def test_gather_combine_equals_weighted_index_add():
     assert len(got) == len(expected) == 2
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_dispatch_backward_gathers_what_indexing_scatters():
+    """Each token's k copies (expert order) and back: the gather-sum backward equals autograd's scatter-add."""
+    torch.manual_seed(0)
+    tokens, k, experts, hidden = 37, 3, 8, 16
+    top_i = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    order = torch.argsort(top_i.reshape(-1), stable=True)
+    copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    routed = _Dispatch.apply(x, order // k, copy_row, k, False)
+    reference = x[order // k]
+    torch.testing.assert_close(routed, reference, rtol=0, atol=0)
+    grad = torch.randn(tokens * k, hidden)
+    (expected,) = torch.autograd.grad(reference, x, grad)
+    (got,) = torch.autograd.grad(routed, x, grad)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_expert_bias_backward_is_the_per_expert_sum():
+    """Per-expert biases on rows grouped by expert (an expert with no rows among them): the segment-sum
+    gradient equals autograd's scatter-add of bias[row_expert], in fp32 and bf16."""
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 1, 0, 7])
+    row_expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        rows = torch.randn(int(counts.sum()), 12, dtype=dtype, requires_grad=True)
+        bias = torch.randn(len(counts), 12, dtype=dtype, requires_grad=True)
+        got = _ExpertBias.apply(rows, bias, row_expert, counts)
+        reference = rows + bias[row_expert]
+        torch.testing.assert_close(got, reference, rtol=0, atol=0)
+        grad = torch.randn_like(reference)
+        expected = torch.autograd.grad(reference, (rows, bias), grad)
+        derived = torch.autograd.grad(got, (rows, bias), grad)
+        for g, e in zip(derived, expected):
+            assert g.dtype == e.dtype
+            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+        assert torch.all(derived[1][counts == 0] == 0)
+
+
+def test_one_rank_grouped_gemm_layer_makes_no_host_sync(monkeypatch):
+    """At ep = 1 the grouped GEMM path reads the expert counts on the device: no ``tolist`` (a host sync on
+    CUDA) in forward or backward; the per-expert loop still reads them (and gets the same result)."""
+    from types import SimpleNamespace
+
+    from megablocks_utils import moe_layer
+
+    torch.manual_seed(0)
+    experts = moe_layer.ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu")
+    experts.set_weights(torch.nn.Parameter(torch.randn(4, 32, 16) * 0.3), torch.nn.Parameter(torch.randn(4, 16, 16) * 0.3))
+    x = torch.randn(20, 16, requires_grad=True)
+    top_w, top_i = torch.rand(20, 2), torch.stack([torch.randperm(4)[:2] for _ in range(20)])
+    looped = experts(x, top_i, top_w)
+    calls = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(t.shape) or real_tolist(t))
+    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda t: True)  # torch runs grouped_mm on CPU too
+    grouped = experts(x, top_i, top_w)
+    grouped.sum().backward()
+    assert calls == []
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda t: False)
+    experts(x, top_i, top_w)
+    assert calls == [torch.Size([4])]
