@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 # ----------------------------------------------------------------------------- settings
 model_name_or_path = "tiny-mixtral"  # local HF MoE model dir; "tiny-mixtral" is created on first use
@@ -133,7 +134,7 @@ from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype, parameter_groups, state_bytes  # noqa: E402
-from megablocks_utils.parallelize import parallelize, set_gradient_sync  # noqa: E402
+from megablocks_utils.parallelize import needs_fsdp, parallelize, set_gradient_sync  # noqa: E402
 from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -224,6 +225,8 @@ compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkp
                        compile_dense=compile_dense, device=device)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
+if master and not needs_fsdp(model, mesh, compute_dtype):
+    print(f"one rank with {str(compute_dtype).removeprefix('torch.')} weights: FSDP not applied (nothing to shard or cast)", flush=True)
 experts = set(expert_parameters(model))  # FSDP replaced them with its sharded parameters
 model.train()
 
@@ -348,7 +351,7 @@ runtime = time.perf_counter() - run_start
 
 # ----------------------------------------------------------------------------- summary and export
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
-local = [p.to_local() for p in model.parameters()]
+local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
 state_sizes = torch.tensor([sum(t.numel() for t in local), sum(2 * t.numel() * t.element_size() for t in local) + state_bytes(optimizer)],
                            dtype=torch.float64, device=device)
 dist.all_reduce(state_sizes)

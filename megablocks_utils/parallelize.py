@@ -10,7 +10,8 @@
 2. Activation checkpointing per decoder layer ("full" or "selective"; ``checkpointing.py``). It
    wraps the layer's forward, so it comes before FSDP's hooks and before compile.
 3. compile: each layer's attention and norms (``compile_dense.py``), CUDA only.
-4. FSDP2, inner modules first: each MoE block's experts over ``mesh.expert_fsdp`` (HSDP:
+4. FSDP2, inner modules first (not at all on one rank whose parameters are already in the compute dtype:
+   there is nothing to shard or cast, and FSDP would only copy every weight and gradient; ``needs_fsdp``): each MoE block's experts over ``mesh.expert_fsdp`` (HSDP:
    replicated over "dp_replicate", sharded over "dp_shard"), then each decoder layer and the root
    over ``mesh.dense``. The experts' reduce-scatter divides by ``world_size`` (not by its dp size):
    an expert's gradient holds only its own ep group's tokens, and each rank's loss is
@@ -46,8 +47,9 @@ def parallelize(
 
     ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32, but for
     experts whose reduction is only a copy: ``expert_reduce_dtype``).
-    ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). Returns the
-    number of modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print.
+    ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself); so does a model that
+    ``needs_fsdp`` says has nothing for FSDP to do. Returns the number of modules compiled (0 unless
+    ``compile_dense`` on CUDA), for the script to print.
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
         shard_moe(model, mesh, device=device)
@@ -55,9 +57,20 @@ def parallelize(
     compiled = 0
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)
-    if fsdp:  # 4.
+    if fsdp and needs_fsdp(model, mesh, param_dtype):  # 4.
         _apply_fsdp(model, mesh, param_dtype, reshard_after_forward)
     return compiled
+
+
+def needs_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> bool:
+    """False on one rank when every parameter is already ``param_dtype``: FSDP2 would shard over one rank and
+    cast nothing, yet still copy each layer's weights into its all-gather buffer at every forward (and again
+    in backward) and each gradient through its reduce buffer (measured on one H100 with gpt-oss's shape:
+    ~0.15 s of a 0.95 s step). Without it, gradients accumulate over micro-steps in the parameters' own
+    dtype (FSDP accumulates unsharded dense gradients in fp32): with bf16 parameters that is what plain
+    transformers training does. With fp32 parameters and bf16 compute (``adamw_torch`` on a GPU) FSDP stays:
+    its mixed precision is the cast."""
+    return mesh.world_size > 1 or any(p.dtype != param_dtype for p in model.parameters())
 
 
 def _expert_shard_dim(param: nn.Parameter) -> Shard:

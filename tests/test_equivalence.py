@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 
 from megablocks_utils import (
@@ -17,9 +19,13 @@ from megablocks_utils import (
     router_stats,
     spec_for,
 )
-from megablocks_utils.parallelize import parallelize
+from megablocks_utils.parallelize import needs_fsdp, parallelize
 
 TOL = 1e-5
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,7 +72,10 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     mesh = build_mesh(ep_size, "cpu", shard_experts=shard_experts, dp_replicate=dp_replicate)
     parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
     expert_shards = {p.device_mesh.ndim for p in expert_parameters(model)}
-    assert expert_shards == {3}, "FSDP did not take the experts over"
+    if world > 1:
+        assert expert_shards == {3}, "FSDP did not take the experts over"
+    else:  # one rank, fp32 weights and compute: nothing to shard or cast (parallelize.needs_fsdp)
+        assert expert_shards == {1} and not any(isinstance(m, FSDPModule) for m in model.modules()), "FSDP on one rank"
     rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
     out = model(input_ids[rows], attention_mask=mask[rows])
     stats = router_stats(model, mask[rows], mesh.world.get_group())
@@ -84,13 +93,13 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names) == sorted(ref_params), "parameter names differ from transformers'"
     for name, p in model.named_parameters():
-        grad = p.grad.full_tensor()
+        grad = full(p.grad)
         assert grad.shape == ref_params[name].grad.shape, name
         assert rel_err(grad, ref_params[name].grad) <= TOL, (name, rel_err(grad, ref_params[name].grad))
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     norm = clip_grad_norm_(model.parameters(), max_norm=0.5 * float(ref_norm))
     assert rel_err(norm, ref_norm) <= TOL, (norm, ref_norm)
-    clipped = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in model.parameters()])
+    clipped = torch.nn.utils.get_total_norm([full(p.grad) for p in model.parameters()])
     assert rel_err(clipped, 0.5 * ref_norm) <= 1e-4, (clipped, ref_norm)
     if routing == "collapsed":  # the layer really saw experts with no tokens anywhere
         assert (stats.tokens_per_expert == 0).any()
@@ -117,8 +126,22 @@ def test_collapsed_routing_is_exact(top_k):
     run_ranks(check_matches_single_process, 2, 2, "collapsed", top_k)
 
 
+def check_one_rank(rank, world):
+    """One rank: no FSDP where it would shard over one rank and cast nothing (the run matches transformers),
+    FSDP where it casts (fp32 weights, bf16 compute: its mixed precision is the cast)."""
+    from transformers import AutoModelForCausalLM
+
+    check_matches_single_process(rank, world, 1, "learned", 2)
+    mesh = build_mesh(1, "cpu")
+    for weights, compute, wanted in [(torch.bfloat16, torch.bfloat16, False), (torch.float32, torch.bfloat16, True)]:
+        model = AutoModelForCausalLM.from_config(tiny_moe_config("mixtral")).to(weights)
+        assert needs_fsdp(model, mesh, compute) is wanted
+        parallelize(model, mesh, param_dtype=compute, device="cpu")
+        assert any(isinstance(m, FSDPModule) for m in model.modules()) is wanted, (weights, compute)
+
+
 def test_single_rank_ep1_matches():
-    run_ranks(check_matches_single_process, 1, 1, "learned", 2)
+    run_ranks(check_one_rank, 1)
 
 
 def check_other_layouts(rank, world):
