@@ -7,7 +7,9 @@
 #      applies neither FSDP nor EP), then train_fsdp2.py (our layer, bf16 AdamW with stochastic rounding) once per
 #      entry of $OURS (default: as is, and with --compile_dense false); the same batch for all: $SEQ tokens x 4
 #      micro-batches per step, eager attention (gpt-oss's sinks), 2 warmup + 3 measured steps.
-# Usage, from the repo root with .whl carried: [STAGES="parity speed"] bash bench/gpu_gpt_oss.sh
+# An entry of $OURS named base_* runs $BASE's code instead (a copy of an earlier commit, e.g. `git archive C | tar -x -C .base`,
+# carried): before and after in one call.
+# Usage, from the repo root with .whl carried: [STAGES="parity speed"] [OURS=...] [BASE=dir] bash bench/gpu_gpt_oss.sh
 # (results: $OUT/gpt_oss.jsonl, logs beside; the speed stage runs both sides, so they share the call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,8 @@ for v in "${variants[@]}"; do
   name=${v%%=*}; extra=${v#*=}
   echo "== $(date +%T) ours: train_fsdp2.py $extra ($name)"
   rm -rf /tmp/gpt_oss_work
-  python3 bench/bench_fsdp1.py run --script train_fsdp2.py --dir "$ckpt" --layers "$layers" --hidden 2880 --intermediate 2880 --gpus 1 \
+  root=.; [[ $name == base_* ]] && root=${BASE:?"an OURS entry named base_* needs BASE=dir"}
+  python3 "$root/bench/bench_fsdp1.py" run --script train_fsdp2.py --dir "$ckpt" --layers "$layers" --hidden 2880 --intermediate 2880 --gpus 1 \
     $batch --train_args "--attn_implementation eager --optim adamw_bf16 $extra" --name "$name" --skip_export --timeout "${T_OURS:-110}" \
     --work /tmp/gpt_oss_work --out "$results" >"$out/$name.log" 2>&1
   grep -E '^  |Error|error' "$out/$name.log" | tail -4 | cut -c1-300

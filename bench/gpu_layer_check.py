@@ -9,7 +9,7 @@ Builds a small Mixtral in fp32 on the GPU, shards it with ep=1, and compares, on
       cannot match another bf16 run bit for bit (routing near-ties flip), so the bound is that ours
       is no further from fp32 than transformers' bf16 is (within 1.5x).
 Also runs the grouped-GEMM and loop expert kernels directly on random bf16 rows with skewed and empty
-groups. Prints max relative errors and exits non-zero past the bounds.
+groups, and one ep = 1 layer with expert biases under CUDA's sync debug mode (no host sync allowed). Prints max relative errors and exits non-zero past the bounds.
 """
 
 import copy
@@ -46,6 +46,34 @@ def run(model, ids):
     logits = model(ids).logits
     causal_lm_loss_sum(logits, ids).backward()
     return logits.detach(), grads(model)
+
+
+def no_host_sync_at_ep1() -> bool:
+    """One layer's experts at ep = 1 with per-expert biases (gpt-oss's layout), forward and backward on the
+    grouped GEMM path, under CUDA's sync debug mode: any host sync (tolist, item, a sized nonzero) raises."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe_layer import ExpertParallelExperts
+
+    experts = ExpertParallelExperts(8, SimpleNamespace(ep_size=1), "gpt_oss_swiglu", transposed=True, interleaved=True,
+                                    bias=True, alpha=1.702, limit=7.0)
+    shapes = [(8, 512, 1024), (8, 512, 512), (8, 1024), (8, 512)]
+    experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes))
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    top_w, top_i = torch.rand(2048, 4, device="cuda").softmax(-1), torch.randint(0, 8, (2048, 4), device="cuda")
+    experts(x, top_i, top_w).float().square().sum().backward()  # warm-up: compiles the element-wise kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        experts(x, top_i, top_w).float().square().sum().backward()
+        ok = True
+    except RuntimeError as e:
+        print(f"host sync at ep = 1: {e}", flush=True)
+        ok = False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"ep = 1 layer with expert biases, forward + backward: {'no host sync' if ok else 'HOST SYNC'}", flush=True)
+    return ok
 
 
 def main():
@@ -115,6 +143,8 @@ def main():
           f"ours (eager) {mean_err(grouped):.3e}, transformers {mean_err(theirs):.3e}", flush=True)
     if mean_err(fused) > 1.5 * mean_err(theirs):
         failures.append("bf16 vs fp32")
+    if not no_host_sync_at_ep1():
+        failures.append("host sync at ep = 1")
     print("torch", torch.__version__, "device", torch.cuda.get_device_name(), flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)

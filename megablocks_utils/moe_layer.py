@@ -386,7 +386,8 @@ class ExpertParallelExperts(nn.Module):
         # copy_row[t * k + j]: the row (in expert order) of token t's j-th choice.
         copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         routed = _Dispatch.apply(x, token_of_copy, copy_row, k, self.fuse_elementwise(x))
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        # Tokens per expert; bincount would sync with the host on CUDA (its length depends on the largest index).
+        counts = flat_expert.new_zeros(self.num_experts).scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
         ep, local = self.mesh.ep_size, self.num_local_experts
 
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
