@@ -370,6 +370,7 @@ class MemoryEstimate:
     overhead: float
     total: float
     config: object = None
+    fsdp: bool = True  # False: one rank with bf16 weights (parallelize.needs_fsdp), gradients accumulated in place
 
     def describe(self) -> str:
         p = self.plan
@@ -394,7 +395,11 @@ class MemoryEstimate:
             ("overhead", self.overhead),
         ]:
             lines.append(f"  {label:<19}{value / GiB:7.1f}")
-        lines.append(f"  {'peak':<19}{self.total / GiB:7.1f}   (grads overlap activations + logits + accumulated grads: the larger counts)")
+        if self.fsdp or p.gradient_accumulation_steps == 1:
+            why = "grads overlap activations + logits + accumulated grads: the larger counts"
+        else:
+            why = "no FSDP on one rank: grads accumulate in place and meet the next micro-step's activations + logits"
+        lines.append(f"  {'peak':<19}{self.total / GiB:7.1f}   ({why})")
         return "\n".join(lines)
 
 
@@ -473,7 +478,14 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     activations = activation_bytes(config, tokens, mode)
     logits = LOGITS_BYTES * tokens * counts.vocab
     params, grads, state = param_b * local_params, grad_b * local_params, state_b * local_params
-    allocated = params + state + gathered_weights + gathered_grads + max(grads, activations + logits + accumulated)
+    during_backward = max(grads, activations + logits + accumulated)
+    fsdp = not (w == 1 and param_b == COMPUTE_BYTES)
+    if not fsdp:
+        # parallelize.needs_fsdp: one rank with bf16 weights has no FSDP, so nothing is gathered or reduced; the
+        # gradients accumulate in place from the first micro-step, so from the second on they meet the activations.
+        gathered_weights = gathered_grads = accumulated = 0.0
+        during_backward = grads + activations + logits if plan.gradient_accumulation_steps > 1 else max(grads, activations + logits)
+    allocated = params + state + gathered_weights + gathered_grads + during_backward
     overhead = OVERHEAD_BYTES + FRAGMENTATION * allocated
     return MemoryEstimate(
         name=getattr(config, "_memory_name", "") or getattr(config, "_name_or_path", "") or config.model_type,
@@ -493,6 +505,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         overhead=overhead,
         total=allocated + overhead,
         config=config,
+        fsdp=fsdp,
     )
 
 # ----------------------------------------------------------------------------- does it fit, and what would

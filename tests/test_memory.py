@@ -259,3 +259,16 @@ def test_import_stays_light():
     code = "import sys, megablocks_utils.memory; print('transformers' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_one_rank_with_bf16_weights_has_nothing_gathered():
+    """parallelize applies no FSDP there: no gathered copies, and the in-place gradients meet the second
+    micro-step's activations (the sum, not the larger); fp32 weights on one rank keep FSDP's terms."""
+    e = _tiny(world_size=1, ep_size=1, optim="adamw_bf16", gradient_accumulation_steps=2)
+    assert not e.fsdp and e.gathered_weights == e.gathered_grads == e.accumulated_grads == 0
+    assert e.total - e.overhead == pytest.approx(e.params + e.optimizer_state + e.grads + e.activations + e.logits, abs=1)
+    once = _tiny(world_size=1, ep_size=1, optim="adamw_bf16", gradient_accumulation_steps=1)
+    assert once.total - once.overhead == pytest.approx(once.params + once.optimizer_state + max(once.grads, once.activations + once.logits), abs=1)
+    fp32 = _tiny(world_size=1, ep_size=1, optim="adamw_torch", gradient_accumulation_steps=2)
+    assert fp32.fsdp and fp32.gathered_weights > 0 and fp32.accumulated_grads > 0
+    assert _tiny(world_size=2, optim="adamw_bf16").gathered_weights > 0
