@@ -134,7 +134,7 @@ from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype, parameter_groups, state_bytes  # noqa: E402
-from megablocks_utils.parallelize import needs_fsdp, parallelize, set_gradient_sync  # noqa: E402
+from megablocks_utils.parallelize import fsdp_left_out, parallelize, set_gradient_sync  # noqa: E402
 from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -225,8 +225,9 @@ compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkp
                        compile_dense=compile_dense, device=device)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
-if master and not needs_fsdp(model, mesh, compute_dtype):
-    print(f"one rank with {str(compute_dtype).removeprefix('torch.')} weights: FSDP not applied (nothing to shard or cast)", flush=True)
+left_out = fsdp_left_out(model, mesh, compute_dtype)
+if master and left_out:
+    print(left_out, flush=True)
 experts = set(expert_parameters(model))  # FSDP replaced them with its sharded parameters
 model.train()
 

@@ -10,12 +10,14 @@
 2. Activation checkpointing per decoder layer ("full" or "selective"; ``checkpointing.py``). It
    wraps the layer's forward, so it comes before FSDP's hooks and before compile.
 3. compile: each layer's attention and norms (``compile_dense.py``), CUDA only.
-4. FSDP2, inner modules first (not at all on one rank whose parameters are already in the compute dtype:
-   there is nothing to shard or cast, and FSDP would only copy every weight and gradient; ``needs_fsdp``): each MoE block's experts over ``mesh.expert_fsdp`` (HSDP:
+4. FSDP2, inner modules first (not where it would shard over one rank and cast nothing, as on one rank
+   whose parameters are already the compute dtype: FSDP would only copy every weight and gradient;
+   ``needs_fsdp``, ``experts_need_fsdp``): each MoE block's experts over ``mesh.expert_fsdp`` (HSDP:
    replicated over "dp_replicate", sharded over "dp_shard"), then each decoder layer and the root
    over ``mesh.dense``. The experts' reduce-scatter divides by ``world_size`` (not by its dp size):
    an expert's gradient holds only its own ep group's tokens, and each rank's loss is
-   ``world_size`` times its share of the global mean (``grads.py``).
+   ``world_size`` times its share of the global mean (``grads.py``). Experts left out of FSDP (dp = 1 and
+   bf16 weights) get that division from a gradient hook instead (``_divide_gradients``).
 
 docs/parallelism.md says which mesh each parameter lives on and how each gradient is reduced.
 """
@@ -47,9 +49,10 @@ def parallelize(
 
     ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32, but for
     experts whose reduction is only a copy: ``expert_reduce_dtype``).
-    ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself); so does a model that
-    ``needs_fsdp`` says has nothing for FSDP to do. Returns the number of modules compiled (0 unless
-    ``compile_dense`` on CUDA), for the script to print.
+    ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
+    it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
+    the experts wherever dp = 1 and they are ``param_dtype`` already (``experts_need_fsdp``). Returns the number
+    of modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print.
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
         shard_moe(model, mesh, device=device)
@@ -57,7 +60,7 @@ def parallelize(
     compiled = 0
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)
-    if fsdp and needs_fsdp(model, mesh, param_dtype):  # 4.
+    if fsdp:  # 4.
         _apply_fsdp(model, mesh, param_dtype, reshard_after_forward)
     return compiled
 
@@ -71,6 +74,38 @@ def needs_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> boo
     transformers training does. With fp32 parameters and bf16 compute (``adamw_torch`` on a GPU) FSDP stays:
     its mixed precision is the cast."""
     return mesh.world_size > 1 or any(p.dtype != param_dtype for p in model.parameters())
+
+
+def fsdp_left_out(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> str:
+    """What FSDP leaves alone here and why, for the script to print ("" when it manages everything)."""
+    dtype = str(param_dtype).removeprefix("torch.")
+    if not needs_fsdp(model, mesh, param_dtype):
+        return f"one rank with {dtype} weights: FSDP not applied (nothing to shard or cast)"
+    if any(not experts_need_fsdp(block.experts, mesh, param_dtype) for block in moe_blocks(model)):
+        return f"dp = 1 with {dtype} weights: the experts stay out of FSDP (nothing to shard or cast; a hook divides their gradients)"
+    return ""
+
+
+def experts_need_fsdp(experts: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> bool:
+    """False where the experts' FSDP mesh has one rank (dp = 1: ep = world size, or one GPU) and their weights
+    are ``param_dtype`` already (``adamw_bf16``): FSDP would then gather each layer's experts by copying them,
+    twice per micro-step, and pass every gradient through a one-rank reduce. Left out, they are DTensors on the
+    ep mesh alone, their gradients accumulate in place and ``_divide_gradients`` scales them as FSDP did.
+    With fp32 weights FSDP stays: its all-gather is the bf16 cast, freed after the forward (a plain cast would
+    be saved for the backward: a bf16 copy of every layer's experts)."""
+    return mesh.expert_fsdp.size() > 1 or any(p.dtype != param_dtype for p in experts.parameters())
+
+
+def _divide_gradients(module: nn.Module, factor: int) -> None:
+    """Divide each gradient of ``module``'s parameters by ``factor`` as it arrives: what FSDP's reduce with
+    ``set_gradient_divide_factor`` does, for parameters FSDP leaves alone; micro-steps then accumulate the divided
+    gradients in place. In fp32 and back, as FSDP reduces in fp32 and casts, unless ``factor`` is a power of two:
+    then the division is exact in any float dtype and needs no fp32 copy."""
+    if factor == 1:
+        return
+    exact = factor & (factor - 1) == 0
+    for p in module.parameters():
+        p.register_hook((lambda grad: grad / factor) if exact else (lambda grad: (grad.float() / factor).to(grad.dtype)))
 
 
 def _expert_shard_dim(param: nn.Parameter) -> Shard:
@@ -101,7 +136,12 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
     # module's forward inputs, but not again when activation checkpointing recomputes the layer).
     expert_mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=expert_reduce_dtype(mesh, param_dtype),
                                             cast_forward_inputs=False)
+    left_out = set()  # expert parameters FSDP does not manage (experts_need_fsdp)
     for block in moe_blocks(model):
+        if not experts_need_fsdp(block.experts, mesh, param_dtype):
+            left_out.update(block.experts.parameters())
+            _divide_gradients(block.experts, mesh.world_size)
+            continue
         experts = fully_shard(
             block.experts, mesh=mesh.expert_fsdp, mp_policy=expert_mp_policy, reshard_after_forward=reshard_after_forward,
             shard_placement_fn=_expert_shard_dim,
@@ -111,9 +151,12 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
             # gloo has no pre-multiplied sum (NCCL's way to divide by a custom factor): a plain sum,
             # then a division. Not with one shard: torch (2.13) then divides twice on that path.
             experts.set_force_sum_reduction_for_comms(True)
+    if not needs_fsdp(model, mesh, param_dtype):
+        return
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=left_out & set(layer.parameters()) or None)
+    fully_shard(model, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, ignored_params=left_out or None)
 
 
 def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) -> None:

@@ -72,10 +72,11 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     mesh = build_mesh(ep_size, "cpu", shard_experts=shard_experts, dp_replicate=dp_replicate)
     parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
     expert_shards = {p.device_mesh.ndim for p in expert_parameters(model)}
-    if world > 1:
+    if world // ep_size > 1:
         assert expert_shards == {3}, "FSDP did not take the experts over"
-    else:  # one rank, fp32 weights and compute: nothing to shard or cast (parallelize.needs_fsdp)
-        assert expert_shards == {1} and not any(isinstance(m, FSDPModule) for m in model.modules()), "FSDP on one rank"
+    else:  # dp = 1, fp32 weights and compute: nothing to shard or cast (parallelize.experts_need_fsdp)
+        assert expert_shards == {1}, "FSDP took experts it has nothing to do for"
+        assert any(isinstance(m, FSDPModule) for m in model.modules()) is (world > 1), "FSDP on one rank (needs_fsdp)"
     rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
     out = model(input_ids[rows], attention_mask=mask[rows])
     stats = router_stats(model, mask[rows], mesh.world.get_group())
@@ -187,10 +188,12 @@ def test_bf16_activation_checkpointing_recomputes_what_the_forward_saw():
     run_ranks(check_bf16_recompute, 2)
 
 
-def check_bf16_expert_reduce_is_exact(rank, world):
-    """At ep = world size the experts' FSDP mesh has one rank, so their gradients are reduced in bf16
-    (``expert_reduce_dtype``): over two micro-steps they equal, bit for bit, the gradients reduced in fp32,
-    for fp32 master weights (adamw_torch) and for bf16 weights (adamw_bf16). With dp > 1 they stay fp32."""
+def check_dp1_expert_gradients_are_exact(rank, world):
+    """At ep = world size (dp = 1) nothing is summed over the experts, so what FSDP would do for them is a copy
+    and a division by world size. With fp32 master weights FSDP stays and reduces them in bf16
+    (``expert_reduce_dtype``); with bf16 weights FSDP leaves them out and a hook divides (``experts_need_fsdp``).
+    Over two micro-steps both give, bit for bit, the gradients of FSDP reducing them in fp32. With dp > 1 they
+    stay under FSDP, in fp32."""
     from transformers import AutoModelForCausalLM
 
     import megablocks_utils.parallelize as parallelize_module
@@ -200,26 +203,29 @@ def check_bf16_expert_reduce_is_exact(rank, world):
     input_ids, mask, labels = make_batch(config.vocab_size, batch=8)
     assert expert_reduce_dtype(build_mesh(2, "cpu"), torch.bfloat16) is torch.bfloat16
     assert expert_reduce_dtype(build_mesh(1, "cpu"), torch.bfloat16) is torch.float32  # dp = 2: a real sum
-    chosen = parallelize_module.expert_reduce_dtype
-    for weights in (torch.float32, torch.bfloat16):
+    chosen = (parallelize_module.expert_reduce_dtype, parallelize_module.experts_need_fsdp)
+    reference = (lambda mesh, dtype: torch.float32, lambda experts, mesh, dtype: True)  # FSDP, fp32 reduce
+    for weights, expert_mesh_dims in ((torch.float32, 3), (torch.bfloat16, 1)):
         grads = {}
-        for reduce in ("chosen", "fp32"):
-            parallelize_module.expert_reduce_dtype = chosen if reduce == "chosen" else (lambda mesh, dtype: torch.float32)
+        for variant, (reduce_dtype, need_fsdp) in (("chosen", chosen), ("fp32 FSDP", reference)):
+            parallelize_module.expert_reduce_dtype, parallelize_module.experts_need_fsdp = reduce_dtype, need_fsdp
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).to(weights)
             mesh = build_mesh(2, "cpu")
             parallelize(model, mesh, param_dtype=torch.bfloat16, device="cpu")
+            dims = {p.device_mesh.ndim for p in expert_parameters(model)}
+            assert dims == ({expert_mesh_dims} if variant == "chosen" else {3}), (weights, variant, dims)
             for micro in range(2):
                 set_gradient_sync(model, mesh, last_micro_step=micro == 1)
                 rows = slice((2 * micro + rank) * 2, (2 * micro + rank + 1) * 2)
                 out = model(input_ids[rows], attention_mask=mask[rows])
                 (world * causal_lm_loss_sum(out.logits.float(), labels[rows]) / count_label_tokens(labels)).backward()
-            grads[reduce] = {n: p.grad.to_local().clone() for n, p in model.named_parameters() if ".experts." in n}
-        parallelize_module.expert_reduce_dtype = chosen
-        assert grads["fp32"] and grads["chosen"].keys() == grads["fp32"].keys()
+            grads[variant] = {n: p.grad.to_local().clone() for n, p in model.named_parameters() if ".experts." in n}
+        parallelize_module.expert_reduce_dtype, parallelize_module.experts_need_fsdp = chosen
+        assert grads["fp32 FSDP"] and grads["chosen"].keys() == grads["fp32 FSDP"].keys()
         for name, grad in grads["chosen"].items():
-            assert grad.dtype == weights and torch.equal(grad, grads["fp32"][name]), (weights, name)
+            assert grad.dtype == weights and torch.equal(grad, grads["fp32 FSDP"][name]), (weights, name)
 
 
-def test_bf16_expert_reduce_equals_fp32_when_nothing_is_summed():
-    run_ranks(check_bf16_expert_reduce_is_exact, 2)
+def test_dp1_expert_gradients_equal_fp32_fsdp_reduce():
+    run_ranks(check_dp1_expert_gradients_are_exact, 2)

@@ -272,3 +272,13 @@ def test_one_rank_with_bf16_weights_has_nothing_gathered():
     fp32 = _tiny(world_size=1, ep_size=1, optim="adamw_torch", gradient_accumulation_steps=2)
     assert fp32.fsdp and fp32.gathered_weights > 0 and fp32.accumulated_grads > 0
     assert _tiny(world_size=2, optim="adamw_bf16").gathered_weights > 0
+
+
+def test_experts_left_out_of_fsdp_at_dp1_with_bf16_weights():
+    """dp = 1 with bf16 weights: the experts are not gathered (parallelize.experts_need_fsdp); with fp32 weights,
+    or dp > 1, one layer's local experts are (computing + prefetched)."""
+    local_experts_layer = 2 * 384  # this rank's 2 of the tiny model's 4 experts, one layer
+    bf16, fp32 = _tiny(optim="adamw_bf16"), _tiny(optim="adamw_torch")
+    assert fp32.gathered_weights - bf16.gathered_weights == 2 * 2 * local_experts_layer
+    assert fp32.gathered_grads - bf16.gathered_grads == (6 - 4) * local_experts_layer
+    assert _tiny(world_size=4, optim="adamw_bf16").gathered_weights == fp32.gathered_weights  # dp = 2: gathered
