@@ -113,3 +113,28 @@ def test_megablocks_and_sdpa_are_clear_errors(tmp_path):
     tiny_moe_config("gpt_oss").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="gpt_oss has no sdpa attention.*'eager' or 'flex_attention'"):
         load_model(str(tmp_path), 1, device="cpu", attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
+def test_one_local_expert_gemm_equals_the_expert_loop(monkeypatch, arch):
+    """ep = number of experts: the grouped GEMM path runs plain GEMMs for the one local expert (biases too)."""
+    from megablocks_utils import moe_layer
+
+    config = tiny_moe_config(arch, **({"swiglu_limit": 1.0} if arch == "gpt_oss" else {}))
+    spec = spec_for(config)
+    experts = ExpertParallelExperts(4, SimpleNamespace(ep_size=4), spec.expert_act or config.hidden_act, **expert_options(spec, config))
+    assert experts.num_local_experts == 1
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 64, 64), (1, 32, 64), (1, 64), (1, 64)] if arch == "gpt_oss" else [(1, 64, 64), (1, 64, 32)]
+    experts.set_weights(*(torch.randn(s, generator=g) * 0.3 for s in shapes))
+    params = list(experts.expert_tensors())
+    x = torch.randn(30, 64, generator=g, requires_grad=True)
+    counts = torch.tensor([30])
+    loop = experts.compute(x, counts, [30])
+    loop_grads = torch.autograd.grad(loop.square().sum(), [x, *params])
+    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda t: True)
+    monkeypatch.setattr(moe_layer, "_grouped_mm", lambda *a, **k: pytest.fail("one local expert must not use grouped_mm"))
+    gemm = experts.compute(x, counts)
+    torch.testing.assert_close(gemm, loop, rtol=TOL, atol=1e-6)
+    for got, expected in zip(torch.autograd.grad(gemm.square().sum(), [x, *params]), loop_grads):
+        torch.testing.assert_close(got, expected, rtol=TOL, atol=1e-5)
