@@ -5,12 +5,14 @@
 # 2 micro-steps per GPU, fp32 master weights with bf16 compute, fused AdamW, clipping; 3 warm-up + 6 measured steps.
 #   ours: bench/bench_moe.py --config ep with every kept lever (as bench/gpu_perf_suite.sh's table)
 #   (f):  bench/bench_peer_hf.py --precision fp32_master on a checkpoint of the same shape ($CKPT, written once)
-# Usage, from the repo root with .whl carried (transformers 5.23): [SKEW=2.38] [LAYERS=8] bash bench/peers.sh
+# With BASE=dir (a copy of an earlier commit, e.g. `git archive C | tar -x -C .base`, carried), ours also runs with that
+# code at each routing, as "ep_base": the levers since then, measured before/after in the same call.
+# Usage, from the repo root with .whl carried (transformers 5.23): [SKEW=2.38] [LAYERS=8] [BASE=dir] bash bench/peers.sh
 # Results: $OUT/peers.jsonl and a table printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
-out=${OUT:-/tmp/peers_out}; mkdir -p "$out"
+out=${OUT:-/tmp/peers_out}; mkdir -p "$out"; out=$(cd "$out" && pwd)  # absolute: BASE runs elsewhere
 layers=${LAYERS:-8}; skew=${SKEW:-2.38}; ckpt=${CKPT:-/tmp/mixtral-L$layers}
 gpus=$(nvidia-smi -L | wc -l)
 results=$out/peers.jsonl
@@ -25,6 +27,11 @@ for routing in uniform skewed; do
   extra=""; [ "$routing" = skewed ] && extra="--skew $skew"
   echo "== $(date +%T) ours, $routing routing"
   timeout -k 10 240 $ours --layers "$layers" $batch $extra --out "$results" 2>&1 | keep
+  if [ -n "${BASE:-}" ]; then
+    echo "== $(date +%T) ours with $BASE's code, $routing routing"
+    (cd "$BASE" && timeout -k 10 240 $ours --layers "$layers" $batch $extra --out "$results.base" 2>&1 | keep)
+    python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), config='ep_base'))) for l in open(sys.argv[1])]" "$results.base" >>"$results" && rm -f "$results.base"
+  fi
   echo "== $(date +%T) transformers FSDP2 + EP, $routing routing"
   timeout -k 10 240 $peer $batch $extra --out "$results" 2>&1 | keep
 done
