@@ -41,9 +41,10 @@ OPTIM_BYTES = {
 COMPUTE_BYTES = 2  # bf16: FSDP's param_dtype, the gathered weight copies and every activation element
 GATHERED_LAYERS = 2  # decoder layers whose weights are gathered at once: the one computing and the one prefetched
 # A layer's gradient before reduce-scatter: as the backward produces it (bf16) and its fp32 copy (reduce_dtype).
-# Experts on a one-rank FSDP mesh (dp = 1, fp32 weights) reduce in bf16 (parallelize.expert_reduce_dtype): their copy
-# is 2 bytes, so there the estimate is high by 2 bytes per local expert parameter of one layer.
 UNSHARDED_GRAD_BYTES = 2 + 4
+# Experts on a one-rank FSDP mesh (dp = 1, fp32 weights, power-of-two world) reduce in bf16
+# (parallelize.expert_reduce_dtype): their copy is bf16 too.
+BF16_REDUCED_GRAD_BYTES = 2 + 2
 # Experts FSDP leaves out (dp = 1 with bf16 weights, parallelize.experts_need_fsdp): one layer's bf16 gradient as
 # the backward produces it and its copy divided by world size (the hook), before it is added in place.
 LEFT_OUT_EXPERT_GRAD_BYTES = 2 + 2
@@ -469,8 +470,9 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     lm_head = counts.vocab * counts.hidden  # its gradient: from the first step of the backward to the root's reduce-scatter
     if dp > 1 or param_b != COMPUTE_BYTES:  # experts under FSDP (parallelize.experts_need_fsdp)
+        expert_grad_bytes = BF16_REDUCED_GRAD_BYTES if dp == 1 and w & (w - 1) == 0 else UNSHARDED_GRAD_BYTES
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * (counts.dense_layer + local_experts_layer))
-        gathered_grads = UNSHARDED_GRAD_BYTES * (counts.dense_layer + local_experts_layer) + COMPUTE_BYTES * lm_head
+        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + expert_grad_bytes * local_experts_layer + COMPUTE_BYTES * lm_head
     else:  # left out: nothing gathered, their gradients land in place
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer)
         gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + LEFT_OUT_EXPERT_GRAD_BYTES * local_experts_layer + COMPUTE_BYTES * lm_head
