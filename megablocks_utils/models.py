@@ -34,13 +34,18 @@ class MoESpec:
     # "topk_softmax": top-k of the logits, then softmax over those k (Granite; the same as
     # "softmax_topk" with renormalisation, computed in the other order);
     # "sigmoid_group_topk": sigmoid scores (fp32), the best topk_group of n_group expert groups (a group
-    # scores the sum of its 2 best), top-k inside them, the weights times routed_scaling_factor (DeepSeek-V3).
+    # scores the sum of its 2 best), top-k inside them, the weights times routed_scaling_factor (DeepSeek-V3);
+    # "softmax_group_topk": softmax (fp32 inputs), with group limiting the best topk_group of n_group groups (a
+    # group scores its best expert), top-k, the weights times routed_scaling_factor (DeepSeek-V2).
     router: str = "softmax_topk"
     renormalize: bool | str = False  # renormalise the top-k weights (bool, or a config field); not topk_softmax
     # sigmoid_group_topk: config fields of the group count, the groups kept per token, and the weight scale.
     num_groups_attr: str | None = None
     topk_groups_attr: str | None = None
     scaling_attr: str | None = None
+    # softmax_group_topk: config field that turns group limiting on with the value "group_limited_greedy"
+    # (DeepSeek-V2's topk_method; "greedy" is plain top-k over all experts).
+    group_method_attr: str | None = None
     # The router's own per-expert buffer added to the scores when choosing experts, never to the weights
     # (DeepSeek-V3's e_score_correction_bias); aux-loss-free balancing updates it (balance.py).
     score_bias: str | None = None
@@ -94,8 +99,10 @@ class MoESpec:
 
     def router_options(self, config) -> dict:
         """Keyword arguments of ``moe_layer.TopKRouter`` beyond the common ones, from the config."""
-        if self.router != "sigmoid_group_topk":
+        if self.router not in ("sigmoid_group_topk", "softmax_group_topk"):
             return dict(score_bias=self.score_bias)
+        if self.group_method_attr is not None and getattr(config, self.group_method_attr) != "group_limited_greedy":
+            return dict(scaling=float(getattr(config, self.scaling_attr)), score_bias=self.score_bias)
         return dict(
             num_groups=getattr(config, self.num_groups_attr) or 1,
             topk_groups=getattr(config, self.topk_groups_attr) or 1,
@@ -201,6 +208,15 @@ MOE_SPECS = {
     "granitemoeshared": MoESpec(model_type="granitemoeshared", **_GRANITE, shared_intermediate_attr="shared_intermediate_size"),
     # MLA attention; the MTP layers of hub checkpoints (past num_hidden_layers) are not part of the model.
     "deepseek_v3": MoESpec(model_type="deepseek_v3", **_DEEPSEEK_STYLE, attention="mla"),
+    # DeepSeek-V2 (and V2-Lite): V3's block, names and MLA, routed by softmax (greedy or group-limited top-k, no
+    # renormalisation: transformers ignores norm_topk_prob here), no score bias, no load-balancing loss.
+    "deepseek_v2": MoESpec(
+        model_type="deepseek_v2",
+        **{**_DEEPSEEK_STYLE, "router": "softmax_group_topk", "score_bias": None, "renormalize": False},
+        num_experts_attr="num_experts",
+        group_method_attr="topk_method",
+        attention="mla",
+    ),
     # GLM-4.5: DeepSeek-V3's MoE block with standard attention (qk norm per head if use_qk_norm).
     "glm4_moe": MoESpec(model_type="glm4_moe", **_DEEPSEEK_STYLE, o_proj_bias=False),
     # gpt-oss: save_pretrained writes the fused names (no conversion), so the hub layout is "stacked"

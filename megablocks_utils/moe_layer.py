@@ -33,8 +33,8 @@ class TopKRouter(nn.Module):
     """Router logits -> (scores for the load-balancing loss, top-k weights, top-k experts).
 
     ``mode`` is the model table's ``router``: "softmax_topk" (Mixtral, Qwen, OLMoE; renormalised if
-    asked), "topk_softmax" (Granite, gpt-oss: softmax over the k largest logits) or "sigmoid_group_topk"
-    (DeepSeek-V3, GLM-4.5: see ``MoESpec.router``). The first value is the fp32 softmax over all
+    asked), "topk_softmax" (Granite, gpt-oss: softmax over the k largest logits), "sigmoid_group_topk"
+    (DeepSeek-V3, GLM-4.5) or "softmax_group_topk" (DeepSeek-V2): see ``MoESpec.router``. The first value is the fp32 softmax over all
     experts, or for sigmoid routing the sigmoid scores normalised to sum to 1 (DeepSeek-V3's
     sequence-wise balance loss uses these, should a load-balancing loss be asked for).
 
@@ -45,7 +45,7 @@ class TopKRouter(nn.Module):
     ``bias``: the logits have a learned bias (gpt-oss), a parameter unlike the score bias.
     """
 
-    MODES = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
+    MODES = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
     ADDED_BIAS = "routing_bias"  # the bias of models whose router has none of its own (not exported)
 
     def __init__(
@@ -98,6 +98,8 @@ class TopKRouter(nn.Module):
         bias = self.score_bias
         if self.mode == "sigmoid_group_topk":
             return self._sigmoid_group_topk(x, bias)
+        if self.mode == "softmax_group_topk":
+            return self._softmax_group_topk(x, bias)
         logits = F.linear(x, self.weight, self.bias).float()
         probs = torch.softmax(logits, dim=-1)
         if self.mode == "topk_softmax":
@@ -116,16 +118,34 @@ class TopKRouter(nn.Module):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return probs, top_w, top_i
 
+    def _keep_best_groups(self, choice: torch.Tensor, group_score: str) -> torch.Tensor:
+        """``choice`` with the experts outside each token's ``topk_groups`` best groups set to -inf; a group
+        scores the sum of its 2 best experts ("top2_sum", DeepSeek-V3) or its best one ("max", DeepSeek-V2)."""
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, self.num_groups, num_experts // self.num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2_sum" else grouped.amax(dim=-1)
+        groups = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+        return choice.masked_fill(~keep.repeat_interleave(num_experts // self.num_groups, dim=1), float("-inf"))
+
+    def _softmax_group_topk(self, x: torch.Tensor, bias: torch.Tensor | None):
+        # transformers masks the other groups' scores to 0, not -inf: the same choice, as softmax scores are > 0
+        # (and -inf keeps an added routing bias from reviving them).
+        logits = F.linear(x.float(), self.weight.float())  # fp32 inputs too, as transformers computes it
+        probs = torch.softmax(logits, dim=-1)
+        choice = probs if bias is None else probs + bias
+        if self.num_groups > 1:
+            choice = self._keep_best_groups(choice, "max")
+        top_i = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        top_w = probs.gather(1, top_i)
+        if self.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return probs, top_w * self.scaling, top_i
+
     def _sigmoid_group_topk(self, x: torch.Tensor, bias: torch.Tensor | None):
         logits = F.linear(x.float(), self.weight.float())  # fp32 inputs too, as transformers computes it
         scores = logits.sigmoid()
-        choice = scores if bias is None else scores + bias
-        num_tokens, num_experts = choice.shape
-        grouped = choice.view(num_tokens, self.num_groups, num_experts // self.num_groups)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # a group scores the sum of its 2 best experts
-        groups = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
-        choice = choice.masked_fill(~keep.repeat_interleave(num_experts // self.num_groups, dim=1), float("-inf"))
+        choice = self._keep_best_groups(scores if bias is None else scores + bias, "top2_sum")
         top_i = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
         top_w = scores.gather(1, top_i)
         if self.renormalize:

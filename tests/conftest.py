@@ -46,6 +46,13 @@ TINY_EXTRAS = {
         num_hidden_layers=3, routed_scaling_factor=2.5, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     ),
+    # DeepSeek-V2-Lite's layout (q_proj without the q low-rank path), group-limited routing (2 groups of 4, the best
+    # one kept per token: a group scores its best expert); layer 0 dense; no aux loss.
+    "deepseek_v2": dict(
+        n_routed_experts=8, n_group=2, topk_group=1, topk_method="group_limited_greedy", moe_intermediate_size=16,
+        n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
     "glm4_moe": dict(
         n_routed_experts=8, n_group=2, topk_group=1, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
         num_hidden_layers=3, routed_scaling_factor=1.5, norm_topk_prob=False, use_qk_norm=True, head_dim=16,

@@ -176,8 +176,8 @@ EARLY_CASES = {
     ),
     "MoE config over dense weights": (model_copy(drop_experts), "has no expert weights in a layout we know"),
     "MoE architecture not in the table": (
-        model_copy(edit_config(model_type="deepseek_v2", n_routed_experts=8)),
-        "model_type='deepseek_v2' is not a supported MoE architecture; supported: ['deepseek_v3', 'glm4_moe', 'gpt_oss', 'granitemoe',",
+        model_copy(edit_config(model_type="phimoe")),
+        "model_type='phimoe' is not a supported MoE architecture; supported: ['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'gpt_oss',",
     ),
     "launched without the launcher": (lambda tmp, model: [], {
         "train_fsdp2.py": "launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`",

@@ -18,7 +18,9 @@ STEPS = 15
 def test_bias_moves_the_choice_not_the_weights():
     torch.manual_seed(0)
     x = torch.randn(6, 16)
-    for mode, options in [("softmax_topk", {}), ("topk_softmax", {}), ("sigmoid_group_topk", dict(num_groups=2, topk_groups=2, scaling=2.0))]:
+    modes = [("softmax_topk", {}), ("topk_softmax", {}), ("sigmoid_group_topk", dict(num_groups=2, topk_groups=2, scaling=2.0)),
+             ("softmax_group_topk", dict(num_groups=2, topk_groups=2, scaling=2.0))]
+    for mode, options in modes:
         router = TopKRouter(16, 4, 2, renormalize=False, mode=mode, **options)
         torch.nn.init.normal_(router.weight, std=0.1)
         probs, top_w, _ = router(x)
@@ -32,6 +34,8 @@ def test_bias_moves_the_choice_not_the_weights():
         elif mode == "topk_softmax":
             logits = torch.nn.functional.linear(x, router.weight)
             torch.testing.assert_close(biased_w, torch.softmax(logits.gather(1, biased_i), dim=-1))
+        elif mode == "softmax_group_topk":
+            torch.testing.assert_close(biased_w, 2.0 * probs.gather(1, biased_i))
         else:
             scores = torch.sigmoid(torch.nn.functional.linear(x, router.weight))
             torch.testing.assert_close(biased_w, 2.0 * scores.gather(1, biased_i))

@@ -212,5 +212,5 @@ def test_unsupported_architecture_lists_supported():
 
     from megablocks_utils import spec_for
 
-    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'granitemoe', .*'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
+    with pytest.raises(ValueError, match=r"model_type='llama' is not a supported MoE architecture; supported: \['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'gpt_oss', 'granitemoe', .*'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
         spec_for(LlamaConfig())

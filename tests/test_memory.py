@@ -24,6 +24,9 @@ PUBLISHED = {
     "mixtral-8x7b": (46.70, 12.9, 0.05),
     "mixtral-8x22b": (140.6, 39, 0.5),  # "39B active"
     "qwen3-30b-a3b": (30.5, 3.3, 0.05),
+    # DeepSeek-V2-Lite: "15.7B total, 2.4B activated"; DeepSeek counts the active ones without the input embedding
+    # (102400 x 2048 = 0.21 B), which our count (the parameters a token touches) includes: 2.66 B.
+    "deepseek-v2-lite": (15.7, 2.4 + 102400 * 2048 / 1e9, 0.05),
 }
 
 

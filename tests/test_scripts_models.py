@@ -1,5 +1,5 @@
 """Both training scripts take non-Mixtral models from the table (Qwen2-MoE, with its shared expert; DeepSeek-V3;
-GLM-4.5; gpt-oss, with expert biases, its clamped SwiGLU and sliding-window attention with sinks)."""
+GLM-4.5; DeepSeek-V2; gpt-oss, with expert biases, its clamped SwiGLU and sliding-window attention with sinks)."""
 
 import json
 import os
@@ -37,7 +37,7 @@ ATTENTION = {"gpt_oss": ["--attn_implementation", "eager"]}
 
 
 @pytest.mark.parametrize("model_type,extra", [
-    ("qwen2_moe", []), ("deepseek_v3", ["--load_balance_coeff", "0.01"]), ("glm4_moe", []),
+    ("qwen2_moe", []), ("deepseek_v3", ["--load_balance_coeff", "0.01"]), ("glm4_moe", []), ("deepseek_v2", []),
     # Weight decay strong enough to show in step 2's loss (no warmup: step 1 updates): norms and biases undecayed in both.
     ("gpt_oss", ["--weight_decay", "1.0", "--warmup_steps", "0", "--learning_rate", "0.05"]),
 ])
@@ -46,7 +46,8 @@ def test_model_trains_the_same_in_both_scripts(tmp_path, model_type, extra):
     train_fsdp2: Qwen2-MoE (shared expert, a dense layer between MoE layers), DeepSeek-V3 (sigmoid
     group-limited routing, no aux loss, MLA, a dense first layer; GLM-4.5 shares its MoE block), whose
     routing bias both scripts update after each optimizer step (load_balance_coeff), GLM-4.5 (DeepSeek-V3's
-    router and shared experts, with its own attention: q/k norms and biases), and gpt-oss
+    router and shared experts, with its own attention: q/k norms and biases), DeepSeek-V2 (softmax group-limited
+    routing, V2-Lite's attention), and gpt-oss
     (expert biases, clamped SwiGLU, sliding-window attention with sinks)."""
     with open(os.path.join(ROOT, "data.json")) as f:
         (tmp_path / "data.json").write_text(json.dumps(json.load(f)[:40]))
