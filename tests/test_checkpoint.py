@@ -226,6 +226,26 @@ def test_resume_from_a_checkpoint_written_before_experts_were_fsdp_sharded(tmp_p
             assert abs(r[key] - expected[r["step"]][key]) <= 1e-5 * abs(expected[r["step"]][key]), (r["step"], key, r[key])
 
 
+EXPERTS_UNDER_FSDP = os.path.join(ROOT, "tests", "fixtures", "checkpoint_experts_fsdp_dp1")
+
+
+def test_resume_from_a_checkpoint_with_experts_under_fsdp_at_dp1(tmp_path):
+    """A checkpoint of the previous layout (experts under FSDP at dp = 1: 3-D DTensors) resumes into today's (on
+    one-rank expert meshes with weights in the compute dtype they stay out of FSDP: 1-D DTensors on the ep mesh) and
+    continues the old run's losses."""
+    out = str(tmp_path / "run")
+    shutil.copytree(os.path.join(EXPERTS_UNDER_FSDP, "step_00000002"), os.path.join(out, "checkpoints", "step_00000002"))
+    result = train(os.path.join(OLD, "model"), out, 2, "--max_steps", "4", "--save_steps", "0", "--gradient_accumulation_steps", "2",
+                   "--warmup_steps", "2", "--per_device_train_batch_size", "2", "--ep_size", "2", "--resume", "auto")
+    assert "the experts stay out of FSDP" in result.stdout, result.stdout[-2000:]
+    expected = {r["step"]: r for r in read_jsonl(os.path.join(EXPERTS_UNDER_FSDP, "metrics.jsonl"))}
+    got = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert len(expected) == 4 and [r["step"] for r in got] == [3, 4], [r["step"] for r in got]
+    for r in got:
+        for key in ("loss", "grad_norm"):
+            assert abs(r[key] - expected[r["step"]][key]) <= 1e-5 * abs(expected[r["step"]][key]), (r["step"], key, r[key])
+
+
 def test_adamw_bf16_resumes_with_the_same_losses(tiny_model_dir, tmp_path):
     """torchao's optimizer (bf16 weights and state, stochastic rounding, a tensor learning rate) resumes
     from its checkpoint with the uninterrupted run's losses: the first resumed step exactly (weights
