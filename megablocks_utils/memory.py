@@ -14,7 +14,9 @@ The per-GPU peak is
 
 Sharded gradients are created during the backward (``zero_grad(set_to_none=True)`` freed them), layer by
 layer as that layer's activations are freed, so the peak holds the larger of the two, not their sum: at
-the start of the backward every activation is alive and no gradient is; at its end the reverse.
+the start of the backward every activation is alive and no gradient is; at its end the reverse. Except with
+gradient accumulation for the experts' gradients: reduced at every micro-step, they exist from the second
+micro-step on next to its activations, so they are added, and only the dense gradients overlap (docs/memory.md).
 
 Every byte constant is below, named, with its reasoning; they are first estimates from what autograd
 saves, to be calibrated against measured ``max_memory_reserved`` on GPUs (target: within 10%).
@@ -76,13 +78,16 @@ LOGITS_BYTES = 2 + 4 + 4 + 2
 # Not visible to torch's allocator counts, or not modelled term by term: CUDA context, NCCL communicators and
 # their buffers, cuBLAS workspaces, compiled kernels (fixed); and the caching allocator's fragmentation
 # (a fraction of everything else).
-# Calibration against GPU peaks: what the byte counts above miss of the activations kept per layer.
-# 4 x H200, 2026-11-22, Mixtral-8x7B width, ep 4, adamw_bf16, seq 4096, micro batch 1 x 4, selective
-# checkpointing (bench/full_size.sh emul16): 16 layers estimated 62.3 GiB, measured 71.8 GiB allocated;
-# 32 layers estimated 112.9 GiB and ran out of memory at 132 GiB allocated. Both fit a kept-activation
-# scale of 1.66 (16 layers: +9.5 GiB on 14.3). "none" keeps a superset of what "selective" keeps and
-# is given the same scale, unmeasured; "full" keeps only each layer's input (not measured either).
-MEASURED_KEPT_SCALE = {"selective": 1.66, "none": 1.66}
+# Checked against GPU peaks, no fitted factor (2026-11-23): 4 x H200, Mixtral-8x7B width, ep 4, adamw_bf16,
+# seq 4096, micro batch 1 x 4, selective checkpointing (bench/full_size.sh emul16, 2026-11-22, experts then under
+# FSDP at dp = 1): 16 layers estimated 73.3 GiB for that layout (71.2 for today's, experts left out), measured
+# 71.8 GiB allocated; 32 layers estimated 135.0 (132.9), and that run ran out of memory at 132 GiB allocated on a
+# 139.8 GiB GPU, so there the estimate is low by some percent (not measured how many).
+# One H100, gpt-oss-20b's shape cut to 4 layers, adamw_bf16, no checkpointing, 1 x 2048 x 4 (bench/gpu_gpt_oss.sh,
+# 2026-11-23): estimated 44.4 GiB, measured 44.7 allocated. (An earlier version scaled the kept activations by
+# 1.66 to fit the 4 x H200 points; the term it stood in for was the expert gradients that live across micro-steps,
+# now counted in ``_estimate``.)
+MEASURED_KEPT_SCALE: dict[str, float] = {}  # per checkpointing mode, a factor on the kept activations; none needed now
 OVERHEAD_BYTES = 3 * GiB
 FRAGMENTATION = 0.05
 
@@ -375,6 +380,7 @@ class MemoryEstimate:
     total: float
     config: object = None
     fsdp: bool = True  # False: one rank with bf16 weights (parallelize.needs_fsdp), gradients accumulated in place
+    expert_grads_persist: bool = False  # expert gradients live across micro-steps, next to the activations
 
     def describe(self) -> str:
         p = self.plan
@@ -399,10 +405,13 @@ class MemoryEstimate:
             ("overhead", self.overhead),
         ]:
             lines.append(f"  {label:<19}{value / GiB:7.1f}")
-        if self.fsdp or p.gradient_accumulation_steps == 1:
-            why = "grads overlap activations + logits + accumulated grads: the larger counts"
-        else:
+        if not self.fsdp and p.gradient_accumulation_steps > 1:
             why = "no FSDP on one rank: grads accumulate in place and meet the next micro-step's activations + logits"
+        elif self.expert_grads_persist:
+            why = ("expert grads live across micro-steps, next to activations + logits + accumulated grads; dense grads "
+                   "overlap those: the larger counts")
+        else:
+            why = "grads overlap activations + logits + accumulated grads: the larger counts"
         lines.append(f"  {'peak':<19}{self.total / GiB:7.1f}   ({why})")
         return "\n".join(lines)
 
@@ -488,6 +497,12 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     logits = LOGITS_BYTES * tokens * counts.vocab
     params, grads, state = param_b * local_params, grad_b * local_params, state_b * local_params
     during_backward = max(grads, activations + logits + accumulated)
+    expert_grads_persist = plan.gradient_accumulation_steps > 1 and (shard or dp == 1)  # reduced at every micro-step
+    if expert_grads_persist:
+        # Expert gradients are reduced into their sharded gradients at every micro-step (or accumulate there in
+        # place, experts left out of FSDP), so from the second micro-step on they exist next to its activations.
+        expert_grads = grad_b * counts.expert / expert_shards
+        during_backward = expert_grads + max(grads - expert_grads, activations + logits + accumulated)
     fsdp = not (w == 1 and param_b == COMPUTE_BYTES)
     if not fsdp:
         # parallelize.needs_fsdp: one rank with bf16 weights has no FSDP, so nothing is gathered or reduced; the
@@ -515,6 +530,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         total=allocated + overhead,
         config=config,
         fsdp=fsdp,
+        expert_grads_persist=expert_grads_persist and fsdp,
     )
 
 # ----------------------------------------------------------------------------- does it fit, and what would

@@ -286,3 +286,24 @@ def test_experts_left_out_of_fsdp_at_dp1_with_bf16_weights():
     assert fp32.gathered_grads == bf16.gathered_grads  # fp32 weights at dp = 1: reduced in bf16, a bf16 copy
     assert _tiny(world_size=4, optim="adamw_torch").gathered_grads - fp32.gathered_grads == (6 - 4) * local_experts_layer
     assert _tiny(world_size=4, optim="adamw_bf16").gathered_weights == fp32.gathered_weights  # dp = 2: gathered
+
+
+def test_expert_gradients_live_across_micro_steps():
+    """With gradient accumulation, expert gradients are reduced (or accumulated in place) at every micro-step, so
+    from the second one on they sit next to its activations: counted beside them, not overlapped with them.
+    Dense gradients and experts replicated over dp (reduced once, at the end) still overlap."""
+    def during_backward(e):
+        return e.total - e.overhead - e.params - e.optimizer_state - e.gathered_weights - e.gathered_grads
+
+    counts = count_params(memory.load_config(dict(TINY)))
+    for plan in (dict(), dict(world_size=4), dict(world_size=4, shard_experts=True, dp_replicate=2)):
+        e = _tiny(gradient_accumulation_steps=2, **plan)
+        expert_grads = 4 * counts.expert / (2 * (e.plan.world_size // 2 // e.plan.dp_replicate))  # fp32, over ep x dp shards
+        assert e.expert_grads_persist
+        assert during_backward(e) == pytest.approx(expert_grads + max(e.grads - expert_grads, e.activations + e.logits + e.accumulated_grads), abs=1)
+    once = _tiny(gradient_accumulation_steps=1)
+    assert not once.expert_grads_persist
+    assert during_backward(once) == pytest.approx(max(once.grads, once.activations + once.logits), abs=1)
+    replicated = _tiny(world_size=4, shard_experts=False, gradient_accumulation_steps=2)
+    assert not replicated.expert_grads_persist
+    assert during_backward(replicated) == pytest.approx(max(replicated.grads, replicated.activations + replicated.logits + replicated.accumulated_grads), abs=1)
