@@ -87,6 +87,8 @@ def main():
                    help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
     p.add_argument("--compile_loss", action="store_true", help="torch.compile the cross-entropy (fp32 upcast of the logits fused)")
     p.add_argument("--no_reshard", action="store_true", help="FSDP2 reshard_after_forward=False for the decoder layers")
+    p.add_argument("--overlap_chunks", type=int, default=1,
+                   help="(ep) tokens through each MoE layer in this many chunks, one's all-to-all beside another's experts")
     p.add_argument("--ep", type=int, default=0, help="(ep, megablocks) expert-parallel degree; 0 = all ranks")
     p.add_argument("--shard_experts", choices=["true", "false"], default="true",
                    help="(ep, megablocks) FSDP-shard experts over dp too, or replicate them over dp")
@@ -129,6 +131,7 @@ def main():
         "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss, "reshard_after_forward": not args.no_reshard,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "ep": args.ep or world, "shard_experts": args.shard_experts == "true", "selective_ac": args.selective_ac,
+        "overlap_chunks": args.overlap_chunks,
         "dense_gemm_tflops": gemm,
     }
     try:
@@ -144,6 +147,7 @@ def main():
             shard_moe(model, mesh, device=device, moe_backend="megablocks" if args.config == "megablocks" else "native")
             for block in moe_blocks(model):
                 block.experts.compile_elementwise = not args.no_compile
+                block.experts.overlap_chunks = args.overlap_chunks
             ac = ("selective" if args.selective_ac else "full") if args.ac else "none"
             parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=ac, compile_dense=args.compile_dense,
                         reshard_after_forward=not args.no_reshard)

@@ -7,7 +7,8 @@
 #   (f):  bench/bench_peer_hf.py --precision fp32_master on a checkpoint of the same shape ($CKPT, written once)
 # With BASE=dir (a copy of an earlier commit, e.g. `git archive C | tar -x -C .base`, carried), ours also runs with that
 # code at each routing, as "ep_base": the levers since then, measured before/after in the same call.
-# Usage, from the repo root with .whl carried (transformers 5.23): [SKEW=2.38] [LAYERS=8] [BASE=dir] bash bench/peers.sh
+# With OVERLAP=C, ours also runs with --overlap_chunks C (the all-to-all overlap lever) at each routing, as "ep_overlapC".
+# Usage, from the repo root with .whl carried (transformers 5.23): [SKEW=2.38] [LAYERS=8] [BASE=dir] [OVERLAP=2] bash bench/peers.sh
 # Results: $OUT/peers.jsonl and a table printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,11 @@ for routing in uniform skewed; do
   extra=""; [ "$routing" = skewed ] && extra="--skew $skew"
   echo "== $(date +%T) ours, $routing routing"
   timeout -k 10 240 $ours --layers "$layers" $batch $extra --out "$results" 2>&1 | keep
+  if [ -n "${OVERLAP:-}" ]; then
+    echo "== $(date +%T) ours with --overlap_chunks $OVERLAP, $routing routing"
+    timeout -k 10 240 $ours --layers "$layers" $batch $extra --overlap_chunks "$OVERLAP" --out "$results.overlap" 2>&1 | keep
+    python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), config='ep_overlap$OVERLAP'))) for l in open(sys.argv[1])]" "$results.overlap" >>"$results" && rm -f "$results.overlap"
+  fi
   if [ -n "${BASE:-}" ]; then
     echo "== $(date +%T) ours with $BASE's code, $routing routing"
     (cd "$BASE" && timeout -k 10 240 $ours --layers "$layers" $batch $extra --out "$results.base" 2>&1 | keep)

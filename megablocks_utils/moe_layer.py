@@ -14,6 +14,7 @@ over dp and scales it the way FSDP scales dense gradients (``grads.py``).
 
 import functools
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -307,6 +308,7 @@ class ExpertParallelExperts(nn.Module):
         self.cast_cache = None  # {dtype: expert_tensors() cast} while inside ``reuse_expert_casts``
         self.is_silu = act_fn == "silu" and not interleaved
         self.compile_elementwise = True  # on CUDA, torch.compile the SiLU*up and the weighted combine of the k outputs
+        self.overlap_chunks = 1  # ep > 1: tokens in this many chunks, one's all-to-all beside another's experts (forward)
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
@@ -407,44 +409,80 @@ class ExpertParallelExperts(nn.Module):
         return torch.cat(outputs) if outputs else x.new_zeros(0, hidden_size)
 
     def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
-        """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts)."""
+        """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts).
+
+        With ``overlap_chunks`` = C > 1 (and ep > 1) the tokens go through in C consecutive chunks whose
+        collectives are issued so that one chunk's all-to-all can run while another's experts compute (every
+        dispatch first, then each chunk's experts and its return trip): the same result, one host sync.
+        """
         num_tokens, k = top_i.shape
+        ep = self.mesh.ep_size
+        pieces = 1 if ep == 1 else max(1, min(self.overlap_chunks, num_tokens))
+        edges = [num_tokens * i // pieces for i in range(pieces + 1)]
+        spans = [(a, b) for a, b in zip(edges[:-1], edges[1:])]
+        # One chunk takes x whole: a slice's backward would allocate and fill a zero gradient of all of x.
+        parts = [(x, top_i, top_w)] if pieces == 1 else [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in spans]
+        routes = [self._route(part_i) for _, part_i, _ in parts]
+        routed = [_Dispatch.apply(part_x, r.token_of_copy, r.copy_row, k, self.fuse_elementwise(x)) for (part_x, _, _), r in zip(parts, routes)]
+        if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
+            outs = [self.compute(routed[0], routes[0].counts)]
+        else:
+            outs = self._exchange(routed, [r.counts for r in routes])
+        combined = [self._combine(out, r, part_w, x.dtype) for out, r, (_, _, part_w) in zip(outs, routes, parts)]
+        return combined[0] if pieces == 1 else torch.cat(combined)
+
+    def _route(self, top_i: torch.Tensor) -> "_Route":
+        """Token copies sorted by expert: the order, each copy's token, each token's copy rows, tokens per expert."""
+        k = top_i.shape[1]
         flat_expert = top_i.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        token_of_copy = order // k
         # copy_row[t * k + j]: the row (in expert order) of token t's j-th choice.
         copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        routed = _Dispatch.apply(x, token_of_copy, copy_row, k, self.fuse_elementwise(x))
         # Tokens per expert; bincount would sync with the host on CUDA (its length depends on the largest index).
         counts = flat_expert.new_zeros(self.num_experts).scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
-        ep, local = self.mesh.ep_size, self.num_local_experts
+        return _Route(order, order // k, copy_row, counts)
 
-        if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
-            out = self.compute(routed, counts)
-        else:
-            group = self.mesh.ep_group
-            # recv_counts[s * local + e]: copies rank s sends to my local expert e.
-            recv_counts = all_to_all_single(counts, None, None, group)
-            host = torch.cat([counts, recv_counts]).tolist()  # the one host sync of the layer
-            send_splits = [sum(host[r * local : (r + 1) * local]) for r in range(ep)]
-            recv_host = host[self.num_experts :]
-            recv_splits = [sum(recv_host[s * local : (s + 1) * local]) for s in range(ep)]
-            received = all_to_all_single_autograd(routed, recv_splits, send_splits, group)
+    def _exchange(self, routed: list[torch.Tensor], counts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each chunk's rows (expert order) to the ep ranks owning their experts, through the local experts, and
+        back: the outputs in the order the rows were sent. One count exchange and host sync for all chunks."""
+        ep, local, group, chunks = self.mesh.ep_size, self.num_local_experts, self.mesh.ep_group, len(routed)
+        # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
+        send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1).reshape(-1)
+        recv = all_to_all_single(send, None, None, group).view(ep, chunks, local)
+        host = torch.cat([send, recv.reshape(-1)]).tolist()  # the one host sync of the layer
+        sent = [[host[(r * chunks + c) * local : (r * chunks + c + 1) * local] for c in range(chunks)] for r in range(ep)]
+        got = [[host[((ep + s) * chunks + c) * local : ((ep + s) * chunks + c + 1) * local] for c in range(chunks)] for s in range(ep)]
+        send_splits = [[sum(sent[r][c]) for r in range(ep)] for c in range(chunks)]
+        recv_splits = [[sum(got[s][c]) for s in range(ep)] for c in range(chunks)]
+        received = [all_to_all_single_autograd(rows, recv_splits[c], send_splits[c], group) for c, rows in enumerate(routed)]
+        outs = []
+        for c in range(chunks):
+            recv_counts = recv[:, c, :].reshape(-1)  # source-major: [s * local + e]
             # Received rows are source-major; the experts want them expert-major.
-            chunk = torch.repeat_interleave(
-                torch.arange(ep * local, device=x.device), recv_counts.to(torch.long), output_size=sum(recv_host)
+            slot = torch.repeat_interleave(
+                torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=sum(recv_splits[c])
             )
-            regroup = torch.argsort((chunk % local) * ep + chunk // local, stable=True)
-            per_expert = recv_counts.view(ep, local).sum(0)
-            per_expert_host = [sum(recv_host[e::local]) for e in range(local)]
-            expert_out = self.compute(received[regroup], per_expert, per_expert_host)
+            regroup = torch.argsort((slot % local) * ep + slot // local, stable=True)
+            per_expert_host = [sum(got[s][c][e] for s in range(ep)) for e in range(local)]
+            expert_out = self.compute(received[c][regroup], recv[:, c, :].sum(0), per_expert_host)
             source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
-            out = all_to_all_single_autograd(source_major, send_splits, recv_splits, group)
+            outs.append(all_to_all_single_autograd(source_major, send_splits[c], recv_splits[c], group))
+        return outs
 
-        if self.fuse_elementwise(out):  # out is in expert order
-            return _fused(_gather_combine)(out, copy_row, top_w, x.dtype)
-        weights = top_w.reshape(-1)[order]
-        return torch.zeros_like(x).index_add(0, token_of_copy, _weigh(out, weights, x.dtype))
+    def _combine(self, out: torch.Tensor, route: "_Route", top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each token's k expert outputs (``out``: rows in expert order) weighted by its router weights and summed."""
+        if self.fuse_elementwise(out):
+            return _fused(_gather_combine)(out, route.copy_row, top_w, dtype)
+        weights = top_w.reshape(-1)[route.order]
+        num_tokens = top_w.shape[0]
+        return out.new_zeros(num_tokens, out.shape[-1], dtype=dtype).index_add(0, route.token_of_copy, _weigh(out, weights, dtype))
+
+
+class _Route(NamedTuple):
+    order: torch.Tensor  # token copies (token-major, t * k + j) sorted by expert
+    token_of_copy: torch.Tensor  # each sorted copy's token
+    copy_row: torch.Tensor  # each token copy's row in expert order
+    counts: torch.Tensor  # token copies per expert [E]
 
 
 class ExpertParallelMoE(nn.Module):

@@ -16,6 +16,7 @@ from megablocks_utils import (
     clip_grad_norm_,
     count_label_tokens,
     expert_parameters,
+    moe_blocks,
     router_stats,
     spec_for,
 )
@@ -158,6 +159,37 @@ def check_other_layouts(rank, world):
 def test_replicated_experts_and_hsdp_match_single_process():
     """The other expert layout and HSDP on 4 ranks; Qwen2-MoE (shared expert and a dense layer) covers most."""
     run_ranks(check_other_layouts, 4)
+
+
+def check_overlap_chunks_change_nothing(rank, world):
+    """The overlap lever (tokens in chunks whose all-to-alls interleave with the experts' work) gives the same
+    logits and gradients as one chunk: 2 and 3 chunks (uneven), top-1 and top-2, ep = world size."""
+    from transformers import AutoModelForCausalLM
+
+    for top_k in (1, 2):
+        config = tiny_moe_config("qwen2_moe", num_experts_per_tok=top_k)
+        input_ids, mask, labels = make_batch(config.vocab_size, seq=13)
+        results = {}
+        for chunks in (1, 2, 3):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).float()
+            mesh = build_mesh(world, "cpu")
+            parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
+            for block in moe_blocks(model):
+                block.experts.overlap_chunks = chunks
+            rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
+            out = model(input_ids[rows], attention_mask=mask[rows])
+            (world * causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels)).backward()
+            results[chunks] = out.logits.detach(), {n: full(p.grad) for n, p in model.named_parameters()}
+        logits, grads = results[1]
+        for chunks in (2, 3):
+            assert rel_err(results[chunks][0], logits) <= 1e-6, (top_k, chunks)
+            for name, grad in grads.items():
+                assert rel_err(results[chunks][1][name], grad) <= 1e-5, (top_k, chunks, name)
+
+
+def test_overlap_chunks_change_nothing():
+    run_ranks(check_overlap_chunks_change_nothing, 2)
 
 
 def check_bf16_recompute(rank, world):
