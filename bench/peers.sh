@@ -8,7 +8,9 @@
 # With BASE=dir (a copy of an earlier commit, e.g. `git archive C | tar -x -C .base`, carried), ours also runs with that
 # code at each routing, as "ep_base": the levers since then, measured before/after in the same call.
 # With OVERLAP=C, ours also runs with --overlap_chunks C (the all-to-all overlap lever) at each routing, as "ep_overlapC".
-# Usage, from the repo root with .whl carried (transformers 5.23): [SKEW=2.38] [LAYERS=8] [BASE=dir] [OVERLAP=2] bash bench/peers.sh
+# ROUTINGS picks the routings to run (default "uniform skewed"), e.g. to split the table over two calls.
+# Usage, from the repo root with .whl carried (transformers 5.23):
+#   [SKEW=2.38] [LAYERS=8] [BASE=dir] [OVERLAP=2] [ROUTINGS=uniform] bash bench/peers.sh
 # Results: $OUT/peers.jsonl and a table printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +26,7 @@ keep() { grep -E '^\{|Error|error' | cut -c1-300; }
 echo "== $(date +%T) $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); torch $(python3 -c 'import torch; print(torch.__version__)'), transformers $(python3 -c 'import transformers; print(transformers.__version__)')"
 python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_fsdp1 import checkpoint_complete as c; sys.exit(0 if c('$ckpt', $layers, 4096, 14336) else 1)" \
   || python3 bench/bench_fsdp1.py write --dir "$ckpt" --layers "$layers" 2>&1 | grep -vi warn | tail -1
-for routing in uniform skewed; do
+for routing in ${ROUTINGS:-uniform skewed}; do
   extra=""; [ "$routing" = skewed ] && extra="--skew $skew"
   echo "== $(date +%T) ours, $routing routing"
   timeout -k 10 240 $ours --layers "$layers" $batch $extra --out "$results" 2>&1 | keep
