@@ -14,7 +14,15 @@ CONFIGS = {  # config name -> (label, bar colour), in the order of the issue's l
     "fsdp1_ep": ("(d) ours: FSDP1 + EP, Trainer path (train_fsdp1.py)", "#c39"),
     "fsdp2_ep_script": ("ours: FSDP2 + EP, train_fsdp2.py on the same input as (d)", "#f96"),
     "megablocks": ("(e) FSDP2 + EP, megablocks backend", "#396"),
+    "hf_native_fsdp2_ep": ("(f) transformers' own FSDP2 + EP (DistributedConfig)", "#36c"),
+    "ep_base": ("(c) at an earlier commit (bench/peers.sh BASE)", "#fb8"),
+    "ep_overlap2": ("(c) with --overlap_chunks 2", "#c52"),
 }
+
+
+def key(r: dict) -> str:
+    """A record's configuration, with its routing when it was skewed (bench/peers.sh runs both)."""
+    return f"{r['config']} (skew {r['routing_skew_target']:g})" if r.get("routing_skew_target") else r["config"]
 ANCHORS = [  # published numbers to print beside ours (different hardware, models and batches)
     "original README (8xA100-80GB, Mixtral-8x7B): FSDP2-only 0.033 steps/s, megablocks 0.117 steps/s",
     "successor plugin (8xA100-80GB, Mixtral-8x7B): FSDP-only 80 tokens/s/GPU, ScatterMoE EP 414",
@@ -31,18 +39,18 @@ def memory(r: dict) -> str:
 def main(path: str) -> None:
     rows = [json.loads(line) for line in open(path)]
     ok = [r for r in rows if r.get("status") == "ok"]
-    base = {r["config"]: r for r in ok}  # the last ok record of each configuration
+    base = {key(r): r for r in ok}  # the last ok record of each configuration (and routing)
     print("| config | GPUs | step (s) | tokens/s/GPU | TFLOPS/GPU | MFU (989) | MFU vs measured GEMM | peak alloc / reserved GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        label = CONFIGS.get(r["config"], (r["config"],))[0]
+        label = CONFIGS.get(r["config"], (r["config"],))[0] + (key(r)[len(r["config"]):] if r.get("routing_skew_target") else "")
         if r.get("status") != "ok":
             print(f"| {label} | {r['gpus']} | {r['status']}: {r.get('error', '')} | | | | | |")
             continue
         vs_gemm = f"{r['mfu_vs_dense_gemm']:.1%}" if r.get("mfu_vs_dense_gemm") else "n/a"
         print(f"| {label} | {r['gpus']} | {r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | "
               f"{r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {vs_gemm} | {memory(r)} |")
-    for ours, others in (("ep", ("eager", "grouped_mm")), ("fsdp1_ep", ("eager", "grouped_mm", "ep", "fsdp2_ep_script"))):
+    for ours, others in (("ep", ("eager", "grouped_mm", "hf_native_fsdp2_ep")), ("fsdp1_ep", ("eager", "grouped_mm", "ep", "fsdp2_ep_script"))):
         for other in others:
             if ours in base and other in base:
                 ratio = base[ours]["tokens_per_s_per_gpu"] / base[other]["tokens_per_s_per_gpu"]
@@ -62,13 +70,15 @@ def main(path: str) -> None:
     if not ok:
         print("no chart: no GPU record")
         return
-    names = [r["config"] for r in ok]
-    colors = [CONFIGS.get(n, ("", "#666"))[1] for n in names]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9 + len(ok) - 3, 3.5))
+    names = [key(r) for r in ok]
+    colors = [CONFIGS.get(r["config"], ("", "#666"))[1] for r in ok]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9 + len(ok) - 3, 3.5 + (1.0 if any(len(n) > 12 for n in names) else 0)))
     ax1.bar(names, [r["tokens_per_s_per_gpu"] for r in ok], color=colors)
     ax1.set_ylabel("tokens / s / GPU")
     ax2.bar(names, [r["peak_allocated_gib"] for r in ok], color=colors)
     ax2.set_ylabel("peak allocated GiB / GPU")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=30 if any(len(n) > 12 for n in names) else 0)
     r0 = ok[0]
     fig.suptitle(f"{r0['gpus']}x {r0['device']}, Mixtral width, {r0['layers']} layers, seq {r0['seq']}, "
                  f"{r0['micro_batch'] * r0.get('grad_accum', 1)} seq/GPU/step, bf16")
