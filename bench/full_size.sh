@@ -8,7 +8,8 @@
 #               on 8 x 80 GB ($EMUL16)
 #   hf_emul16   the peer in the same 16-layer, capped setting
 # Usage, from the repo root with .whl carried (transformers 5.23 wheels, installed to /tmp/site):
-#   bash bench/full_size.sh [VARIANT ...]          (default: hf ours_sel)
+#   bash bench/full_size.sh [VARIANT ...]          (default: hf ours_full; ours_sel ran out of memory at 32 layers
+#                                                   on 4 x H200, 2026-11-22)
 # The 93 GB checkpoint is written to $CKPT once per machine (~130 s; kept while the machine stays warm between
 # calls); the 16-layer one is a view of its first 16 layers (links, no copy). Each variant gets a timeout, and one that no longer fits in $BUDGET_S seconds
 # from the start is skipped, so the call ends inside the device's 10 minutes. train_fsdp2 runs stop after their
@@ -17,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
-variants=${*:-hf ours_sel}
+variants=${*:-hf ours_full}
 out=${OUT:-/tmp/full_size_out}; mkdir -p "$out"
 results=$out/full_size.jsonl
 full=${LAYERS:-32}; half=$((full / 2))  # Mixtral-8x7B's 32 (fewer for a CPU smoke test)
