@@ -209,6 +209,16 @@ def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, small_data, two_r
 OLD = os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_expert_fsdp")
 
 
+def assert_continues_the_old_run(fixture: str, out: str) -> None:
+    """The resumed run (steps 3 and 4 in ``out``) has the fixture's recorded losses and gradient norms."""
+    expected = {r["step"]: r for r in read_jsonl(os.path.join(fixture, "metrics.jsonl"))}
+    got = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert len(expected) == 4 and [r["step"] for r in got] == [3, 4], [r["step"] for r in got]
+    for r in got:
+        for key in ("loss", "grad_norm"):
+            assert abs(r[key] - expected[r["step"]][key]) <= 1e-5 * abs(expected[r["step"]][key]), (r["step"], key, r[key])
+
+
 @pytest.mark.parametrize("nproc,ep,micro", [(2, 2, 2), pytest.param(4, 2, 1, marks=pytest.mark.slow)], ids=["dp1-ep2", "dp2-ep2-sharded"])
 def test_resume_from_a_checkpoint_written_before_experts_were_fsdp_sharded(tmp_path, nproc, ep, micro):
     """A checkpoint of the old layout (experts replicated over dp, no FSDP on them) resumes into the new
@@ -218,12 +228,7 @@ def test_resume_from_a_checkpoint_written_before_experts_were_fsdp_sharded(tmp_p
     train(os.path.join(OLD, "model"), out, nproc, "--max_steps", "4", "--save_steps", "0", "--gradient_accumulation_steps", "2",
           "--warmup_steps", "2", "--per_device_train_batch_size", str(micro), "--ep_size", str(ep), "--resume", "auto",
           "--shard_experts", "true", "--packing", "false")  # the old run's data: one padded sample per row
-    expected = {r["step"]: r for r in read_jsonl(os.path.join(OLD, "metrics.jsonl"))}
-    got = read_jsonl(os.path.join(out, "metrics.jsonl"))
-    assert len(expected) == 4 and [r["step"] for r in got] == [3, 4], [r["step"] for r in got]
-    for r in got:
-        for key in ("loss", "grad_norm"):
-            assert abs(r[key] - expected[r["step"]][key]) <= 1e-5 * abs(expected[r["step"]][key]), (r["step"], key, r[key])
+    assert_continues_the_old_run(OLD, out)
 
 
 EXPERTS_UNDER_FSDP = os.path.join(ROOT, "tests", "fixtures", "checkpoint_experts_fsdp_dp1")
@@ -238,12 +243,7 @@ def test_resume_from_a_checkpoint_with_experts_under_fsdp_at_dp1(tmp_path):
     result = train(os.path.join(OLD, "model"), out, 2, "--max_steps", "4", "--save_steps", "0", "--gradient_accumulation_steps", "2",
                    "--warmup_steps", "2", "--per_device_train_batch_size", "2", "--ep_size", "2", "--resume", "auto")
     assert "the experts stay out of FSDP" in result.stdout, result.stdout[-2000:]
-    expected = {r["step"]: r for r in read_jsonl(os.path.join(EXPERTS_UNDER_FSDP, "metrics.jsonl"))}
-    got = read_jsonl(os.path.join(out, "metrics.jsonl"))
-    assert len(expected) == 4 and [r["step"] for r in got] == [3, 4], [r["step"] for r in got]
-    for r in got:
-        for key in ("loss", "grad_norm"):
-            assert abs(r[key] - expected[r["step"]][key]) <= 1e-5 * abs(expected[r["step"]][key]), (r["step"], key, r[key])
+    assert_continues_the_old_run(EXPERTS_UNDER_FSDP, out)
 
 
 def test_adamw_bf16_resumes_with_the_same_losses(tiny_model_dir, tmp_path):
