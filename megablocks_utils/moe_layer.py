@@ -418,10 +418,11 @@ class ExpertParallelExperts(nn.Module):
         num_tokens, k = top_i.shape
         ep = self.mesh.ep_size
         pieces = 1 if ep == 1 else max(1, min(self.overlap_chunks, num_tokens))
-        edges = [num_tokens * i // pieces for i in range(pieces + 1)]
-        spans = [(a, b) for a, b in zip(edges[:-1], edges[1:])]
-        # One chunk takes x whole: a slice's backward would allocate and fill a zero gradient of all of x.
-        parts = [(x, top_i, top_w)] if pieces == 1 else [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in spans]
+        if pieces == 1:  # x whole: a slice's backward would allocate and fill a zero gradient of all of x
+            parts = [(x, top_i, top_w)]
+        else:
+            edges = [num_tokens * i // pieces for i in range(pieces + 1)]
+            parts = [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in zip(edges[:-1], edges[1:])]
         routes = [self._route(part_i) for _, part_i, _ in parts]
         routed = [_Dispatch.apply(part_x, r.token_of_copy, r.copy_row, k, self.fuse_elementwise(x)) for (part_x, _, _), r in zip(parts, routes)]
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
@@ -447,13 +448,10 @@ class ExpertParallelExperts(nn.Module):
         back: the outputs in the order the rows were sent. One count exchange and host sync for all chunks."""
         ep, local, group, chunks = self.mesh.ep_size, self.num_local_experts, self.mesh.ep_group, len(routed)
         # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
-        send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1).reshape(-1)
-        recv = all_to_all_single(send, None, None, group).view(ep, chunks, local)
-        host = torch.cat([send, recv.reshape(-1)]).tolist()  # the one host sync of the layer
-        sent = [[host[(r * chunks + c) * local : (r * chunks + c + 1) * local] for c in range(chunks)] for r in range(ep)]
-        got = [[host[((ep + s) * chunks + c) * local : ((ep + s) * chunks + c + 1) * local] for c in range(chunks)] for s in range(ep)]
-        send_splits = [[sum(sent[r][c]) for r in range(ep)] for c in range(chunks)]
-        recv_splits = [[sum(got[s][c]) for s in range(ep)] for c in range(chunks)]
+        send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)
+        recv = all_to_all_single(send.reshape(-1), None, None, group).view(ep, chunks, local)
+        # Rows per chunk and peer rank, sent and received ([c][rank] each): the one host sync of the layer.
+        send_splits, recv_splits = torch.stack([send.sum(-1).T, recv.sum(-1).T]).tolist()
         received = [all_to_all_single_autograd(rows, recv_splits[c], send_splits[c], group) for c, rows in enumerate(routed)]
         outs = []
         for c in range(chunks):
@@ -463,8 +461,7 @@ class ExpertParallelExperts(nn.Module):
                 torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=sum(recv_splits[c])
             )
             regroup = torch.argsort((slot % local) * ep + slot // local, stable=True)
-            per_expert_host = [sum(got[s][c][e] for s in range(ep)) for e in range(local)]
-            expert_out = self.compute(received[c][regroup], recv[:, c, :].sum(0), per_expert_host)
+            expert_out = self.compute(received[c][regroup], recv[:, c, :].sum(0))
             source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
             outs.append(all_to_all_single_autograd(source_major, send_splits[c], recv_splits[c], group))
         return outs
