@@ -228,7 +228,7 @@ if master and compiled:
 left_out = fsdp_left_out(model, mesh, compute_dtype)
 if master and left_out:
     print(left_out, flush=True)
-experts = set(expert_parameters(model))  # FSDP replaced them with its sharded parameters
+experts = set(expert_parameters(model))  # after FSDP: where it manages them, its sharded parameters
 model.train()
 
 # ----------------------------------------------------------------------------- optimizer and schedule

@@ -73,7 +73,12 @@ def needs_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> boo
     dtype (FSDP accumulates unsharded dense gradients in fp32): with bf16 parameters that is what plain
     transformers training does. With fp32 parameters and bf16 compute (``adamw_torch`` on a GPU) FSDP stays:
     its mixed precision is the cast."""
-    return mesh.world_size > 1 or any(p.dtype != param_dtype for p in model.parameters())
+    return _fsdp_has_work(mesh.dense.size(), model.parameters(), param_dtype)
+
+
+def _fsdp_has_work(mesh_size: int, params, param_dtype: torch.dtype) -> bool:
+    """FSDP over ``mesh_size`` ranks shards (more than one rank) or casts (a parameter not in ``param_dtype``)."""
+    return mesh_size > 1 or any(p.dtype != param_dtype for p in params)
 
 
 def fsdp_left_out(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> str:
@@ -93,7 +98,7 @@ def experts_need_fsdp(experts: nn.Module, mesh: MoEMesh, param_dtype: torch.dtyp
     ep mesh alone, their gradients accumulate in place and ``_divide_gradients`` scales them as FSDP did.
     With fp32 weights FSDP stays: its all-gather is the bf16 cast, freed after the forward (a plain cast would
     be saved for the backward: a bf16 copy of every layer's experts)."""
-    return mesh.expert_fsdp.size() > 1 or any(p.dtype != param_dtype for p in experts.parameters())
+    return _fsdp_has_work(mesh.expert_fsdp.size(), experts.parameters(), param_dtype)
 
 
 def _divide_gradients(module: nn.Module, factor: int) -> None:
