@@ -87,7 +87,6 @@ LOGITS_BYTES = 2 + 4 + 4 + 2
 # 2026-11-23): estimated 44.4 GiB, measured 44.7 allocated. (An earlier version scaled the kept activations by
 # 1.66 to fit the 4 x H200 points; the term it stood in for was the expert gradients that live across micro-steps,
 # now counted in ``_estimate``.)
-MEASURED_KEPT_SCALE: dict[str, float] = {}  # per checkpointing mode, a factor on the kept activations; none needed now
 OVERHEAD_BYTES = 3 * GiB
 FRAGMENTATION = 0.05
 
@@ -337,7 +336,6 @@ def activation_bytes(config, tokens: int, mode: str) -> float:
     elif mode == "selective":
         recompute = max(_layer_activation_bytes(s, moe, "none") - _layer_activation_bytes(s, moe, "selective") for moe in set(is_moe))
     final_norm = NORM_SAVED * s.hidden + NORM_ROW + ACT * s.hidden  # and its output, lm_head's input
-    kept *= MEASURED_KEPT_SCALE.get(mode, 1.0)
     return tokens * (kept + recompute + BACKWARD_WORKING_LAYERS * full_layer + final_norm)
 
 
