@@ -23,6 +23,8 @@ batch="--seq 4096 --micro_batch 2 --grad_accum 2 --warmup 3 --steps 6"
 ours="torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py --config ep --fused_adamw --reuse_casts --compile_loss --compile_dense"
 peer="torchrun --standalone --nproc_per_node=$gpus bench/bench_peer_hf.py --dir $ckpt --precision fp32_master"
 keep() { grep -E '^\{|Error|error' | cut -c1-300; }
+# append_as NAME FILE: FILE's records into $results under config NAME, then FILE removed
+append_as() { python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), config=sys.argv[2]))) for l in open(sys.argv[1])]" "$2" "$1" >>"$results" && rm -f "$2"; }
 echo "== $(date +%T) $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); torch $(python3 -c 'import torch; print(torch.__version__)'), transformers $(python3 -c 'import transformers; print(transformers.__version__)')"
 python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_fsdp1 import checkpoint_complete as c; sys.exit(0 if c('$ckpt', $layers, 4096, 14336) else 1)" \
   || python3 bench/bench_fsdp1.py write --dir "$ckpt" --layers "$layers" 2>&1 | grep -vi warn | tail -1
@@ -33,12 +35,12 @@ for routing in ${ROUTINGS:-uniform skewed}; do
   if [ -n "${OVERLAP:-}" ]; then
     echo "== $(date +%T) ours with --overlap_chunks $OVERLAP, $routing routing"
     timeout -k 10 240 $ours --layers "$layers" $batch $extra --overlap_chunks "$OVERLAP" --out "$results.overlap" 2>&1 | keep
-    python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), config='ep_overlap$OVERLAP'))) for l in open(sys.argv[1])]" "$results.overlap" >>"$results" && rm -f "$results.overlap"
+    append_as "ep_overlap$OVERLAP" "$results.overlap"
   fi
   if [ -n "${BASE:-}" ]; then
     echo "== $(date +%T) ours with $BASE's code, $routing routing"
     (cd "$BASE" && timeout -k 10 240 $ours --layers "$layers" $batch $extra --out "$results.base" 2>&1 | keep)
-    python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), config='ep_base'))) for l in open(sys.argv[1])]" "$results.base" >>"$results" && rm -f "$results.base"
+    append_as ep_base "$results.base"
   fi
   echo "== $(date +%T) transformers FSDP2 + EP, $routing routing"
   timeout -k 10 240 $peer $batch $extra --out "$results" 2>&1 | keep
