@@ -159,6 +159,9 @@ try:
         raise InputError("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
+    every_n = (args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)
+    if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
+        raise InputError(f"activation_checkpointing_kwargs every_n_layers={every_n!r} must be a positive integer (1 = every layer)")
     read_records(data_path)
     if eval_data_path and eval_split > 0:
         raise InputError("give eval_data_path or eval_split, not both")
@@ -244,14 +247,17 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
 # The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
+from megablocks_utils.memory import estimate_memory, fit_error, load_config  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
                        nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), max_length=max_length,
                        per_device_train_batch_size=args.per_device_train_batch_size,
                        gradient_accumulation_steps=args.gradient_accumulation_steps,
-                       activation_checkpointing="full" if args.activation_checkpointing else "none")
+                       activation_checkpointing="full" if args.activation_checkpointing else "none",
+                       # Trainer's activation_checkpointing_kwargs {"every_n_layers": n}: layers 0, n, 2n, ... (the count is planned)
+                       activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers,
+                                                                 int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)))))
 if master:
     print(plan.describe(), flush=True)
 if use_cuda:

@@ -50,6 +50,7 @@ num_train_epochs = 1  # used when max_steps = -1
 seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
+activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
@@ -78,6 +79,7 @@ from megablocks_utils.inputs import (  # noqa: E402
     stop_together,
 )
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
+from megablocks_utils.memory import check_checkpointed_layers, checkpointing_hint, estimate_memory, fit_error, load_config  # noqa: E402
 from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402
 from megablocks_utils.settings import parse_settings  # noqa: E402
 from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
@@ -104,6 +106,7 @@ try:
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
+        check_checkpointed_layers(activation_checkpointing_layers, load_config(model_name_or_path).num_hidden_layers)
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -130,7 +133,6 @@ from megablocks_utils.data import GlobalBatches, collate, load_training_data  # 
 from megablocks_utils.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.balance import add_routing_bias, routing_bias_exported, update_routing_bias  # noqa: E402
 from megablocks_utils.export import export_hf  # noqa: E402
-from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
 from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
 from megablocks_utils.optim import build_optimizer, param_dtype, parameter_groups, state_bytes  # noqa: E402
@@ -179,7 +181,8 @@ ensure_default_model(model_name_or_path, data_path)  # the embedded default: mad
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim=optim, shard_experts=experts_sharded,
                        dp_replicate=dp_replicate, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                        max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
-                       gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing)
+                       gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
+                       activation_checkpointing_layers=activation_checkpointing_layers)
 if master:
     print(plan.describe(), flush=True)
 if use_cuda:
@@ -187,6 +190,9 @@ if use_cuda:
     too_big = fit_error(plan, gpu_bytes)
     if too_big:
         fail(too_big)
+    hint = checkpointing_hint(plan, gpu_bytes)
+    if master and hint:
+        print(hint, flush=True)
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
@@ -222,7 +228,7 @@ if master:
 # EP was applied while loading; then activation checkpointing, compile and FSDP2 (experts over dp,
 # dense weights over all ranks), in that order (megablocks_utils/parallelize.py).
 compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
-                       compile_dense=compile_dense, device=device)
+                       activation_checkpointing_layers=activation_checkpointing_layers, compile_dense=compile_dense, device=device)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
 left_out = fsdp_left_out(model, mesh, compute_dtype)

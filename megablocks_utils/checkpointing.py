@@ -55,6 +55,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .memory import checkpointed_layers
+from .models import decoder_layers
+
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 # (namespace, op): outputs that "selective" keeps. Exact .default overloads (see the module docstring
@@ -130,16 +133,23 @@ def parse_activation_checkpointing(value: str | bool) -> str:
     return text
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint every decoder layer of a transformers model: "none", "full" or "selective".
+def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1) -> None:
+    """Checkpoint the decoder layers of a transformers model: "none", "full" or "selective", on ``layers``
+    of them spread evenly (``memory.checkpointed_layers``; -1: all). The layers left out keep their
+    activations and recompute nothing: where memory allows, that buys back speed a layer at a time.
 
     Non-reentrant ``torch.utils.checkpoint`` through transformers' own per-layer hook
     (``activation_checkpointing_enable``, which passes its kwargs, ``context_fn`` included, to
-    ``checkpoint``). Call it after ``shard_moe`` and before compile and FSDP2. "none" turns an earlier
-    setting off, so a model can be switched between modes (bench/gpu_sac_check.py does).
+    ``checkpoint``). Its ``every_n_layers`` can only checkpoint 1/n of the layers; a count can be any
+    share, so each layer's ``gradient_checkpointing`` flag (the switch transformers' hook reads) is set
+    here. Call it after ``shard_moe`` and before compile and FSDP2. "none" turns an earlier setting off,
+    so a model can be switched between modes (bench/gpu_sac_check.py does).
     """
     mode = parse_activation_checkpointing(mode)
-    if mode == "none":
+    decoder = decoder_layers(model)
+    if layers < -1 or layers > len(decoder):
+        raise ValueError(f"activation_checkpointing_layers={layers}: give 0..{len(decoder)} decoder layers, or -1 for all")
+    if mode == "none" or layers == 0:
         if model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
         return
@@ -148,6 +158,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     context_fn = functools.partial(_contexts, blocks, mode == "selective")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+    chosen = set(checkpointed_layers(len(decoder), layers))
+    for index, layer in enumerate(decoder):
+        layer.gradient_checkpointing = index in chosen
 
 
 class OpCounter(TorchDispatchMode):

@@ -103,7 +103,19 @@ DEFAULTS = dict(
     per_device_train_batch_size=4,
     gradient_accumulation_steps=2,
     activation_checkpointing="none",
+    activation_checkpointing_layers=-1,
 )
+
+
+def checkpointed_layers(num_layers: int, count: int) -> list[int]:
+    """The decoder layers ``activation_checkpointing_layers = count`` checkpoints: ``count`` of the
+    ``num_layers``, spread evenly (every other one for half); -1 (or ``count >= num_layers``): all.
+    Here, not in checkpointing.py, so the fit check (no torch) plans the layers the scripts checkpoint."""
+    if count < 0 or count >= num_layers:
+        return list(range(num_layers))
+    return [i for i in range(num_layers) if i * count // num_layers != (i + 1) * count // num_layers]
+
+
 def checkpointing_mode(setting) -> str:
     """``activation_checkpointing`` as the scripts give it (a bool, or none/selective/full) -> a mode name."""
     if isinstance(setting, bool):
@@ -324,17 +336,20 @@ def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
     return inputs + ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads + router + experts + mlp + gate
 
 
-def activation_bytes(config, tokens: int, mode: str) -> float:
-    """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart)."""
+def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1) -> float:
+    """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart), with
+    ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest."""
     s = _shape(config)
     is_moe = [i in s.moe_layers for i in range(s.layers)]
-    kept = sum(_layer_activation_bytes(s, moe, mode) for moe in is_moe)
+    chosen = set(checkpointed_layers(s.layers, checkpointed)) if mode != "none" else set()
+    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else "none") for i, moe in enumerate(is_moe))
     full_layer = max(_layer_activation_bytes(s, moe, "none") for moe in set(is_moe))
     recompute = 0.0  # the layer whose backward runs, recomputed to its "none" activations
-    if mode == "full":
-        recompute = full_layer
-    elif mode == "selective":
-        recompute = max(_layer_activation_bytes(s, moe, "none") - _layer_activation_bytes(s, moe, "selective") for moe in set(is_moe))
+    recomputed = {is_moe[i] for i in chosen}
+    if mode == "full" and recomputed:
+        recompute = max(_layer_activation_bytes(s, moe, "none") for moe in recomputed)
+    elif mode == "selective" and recomputed:
+        recompute = max(_layer_activation_bytes(s, moe, "none") - _layer_activation_bytes(s, moe, "selective") for moe in recomputed)
     final_norm = NORM_SAVED * s.hidden + NORM_ROW + ACT * s.hidden  # and its output, lm_head's input
     return tokens * (kept + recompute + BACKWARD_WORKING_LAYERS * full_layer + final_norm)
 
@@ -354,6 +369,7 @@ class Plan:
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     activation_checkpointing: object
+    activation_checkpointing_layers: int = -1  # how many decoder layers it applies to (-1: all)
 
 
 @dataclass
@@ -366,6 +382,7 @@ class MemoryEstimate:
     ep: int  # the resolved expert-parallel degree
     shard_experts: bool  # resolved
     checkpointing: str  # resolved mode
+    checkpointed: int  # decoder layers it applies to (0 with mode "none")
     params: float
     grads: float
     optimizer_state: float
@@ -388,7 +405,8 @@ class MemoryEstimate:
             f"plan: {p.world_size} GPUs, ep {self.ep} x dp {p.world_size // self.ep}"
             + (f" (dp_replicate {p.dp_replicate})" if p.dp_replicate > 1 else "")
             + f", shard_experts {str(self.shard_experts).lower()}, optim {p.optim}, micro batch {p.per_device_train_batch_size}"
-            f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing {self.checkpointing}",
+            f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
+            f"{checkpointing_text(self)}",
             "per GPU                GiB",
         ]
         for label, value in [
@@ -427,6 +445,7 @@ def estimate_memory(
     per_device_train_batch_size: int,
     gradient_accumulation_steps: int = 1,
     activation_checkpointing="none",
+    activation_checkpointing_layers: int = -1,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     config = load_config(config_or_dir)
@@ -441,8 +460,28 @@ def estimate_memory(
         per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
         activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_layers=activation_checkpointing_layers,
     )
     return _estimate(config, plan)
+
+
+def check_checkpointed_layers(count, num_layers: int) -> int:
+    """``activation_checkpointing_layers`` checked against the model's decoder layers; -1 -> ``num_layers``."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < -1:
+        raise InputError(f"activation_checkpointing_layers={count!r} must be -1 (every decoder layer) or a count of layers, 0..{num_layers}")
+    if count > num_layers:
+        raise InputError(
+            f"activation_checkpointing_layers={count} but the model has {num_layers} decoder layers; give 0..{num_layers}, or -1 for all"
+        )
+    return num_layers if count == -1 else count
+
+
+def checkpointing_text(e: "MemoryEstimate") -> str:
+    """"full", or "full on 16 of 32 layers" where only some layers are checkpointed."""
+    layers = e.config.num_hidden_layers
+    if e.checkpointing == "none" or e.checkpointed == layers:
+        return e.checkpointing
+    return f"{e.checkpointing} on {e.checkpointed} of {layers} layers"
 
 
 def _positive(name: str, value) -> None:
@@ -468,6 +507,9 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         )
     shard = resolve_shard_experts(plan.shard_experts, w, plan.nproc_per_node)
     mode = checkpointing_mode(plan.activation_checkpointing)
+    checkpointed = check_checkpointed_layers(plan.activation_checkpointing_layers, config.num_hidden_layers)
+    if mode == "none":
+        checkpointed = 0
 
     dense_shards = w // r  # HSDP: sharded over W / R, replicated over R
     expert_shards = ep * (dp // r) if shard else ep
@@ -491,7 +533,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         accumulated = ACCUMULATED_GRAD_BYTES * (counts.dense + (counts.expert / ep if replicated else 0))
 
     tokens = plan.per_device_train_batch_size * plan.max_length
-    activations = activation_bytes(config, tokens, mode)
+    activations = activation_bytes(config, tokens, mode, checkpointed)
     logits = LOGITS_BYTES * tokens * counts.vocab
     params, grads, state = param_b * local_params, grad_b * local_params, state_b * local_params
     during_backward = max(grads, activations + logits + accumulated)
@@ -516,6 +558,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         ep=ep,
         shard_experts=shard,
         checkpointing=mode,
+        checkpointed=checkpointed,
         params=params,
         grads=grads,
         optimizer_state=state,
@@ -543,7 +586,7 @@ def _settings_text(e: MemoryEstimate) -> str:
     p = e.plan
     return (
         f"{p.world_size} GPUs, ep {e.ep}, optim {p.optim}, shard_experts {str(e.shard_experts).lower()}, "
-        f"activation_checkpointing {e.checkpointing}, micro batch {p.per_device_train_batch_size} x {p.max_length} tokens"
+        f"activation_checkpointing {checkpointing_text(e)}, micro batch {p.per_device_train_batch_size} x {p.max_length} tokens"
         + (f", gradient_accumulation_steps {p.gradient_accumulation_steps}" if p.gradient_accumulation_steps > 1 else "")
     )
 
@@ -553,6 +596,31 @@ def _try(e: MemoryEstimate, **changes) -> MemoryEstimate | None:
         return _estimate(e.config, replace(e.plan, **changes))
     except InputError:
         return None
+
+
+def _fewest_checkpointed(e: MemoryEstimate, budget: float, mode: str, start: int = 1) -> int | None:
+    """The fewest decoder layers, from ``start``, that ``mode`` must checkpoint for the plan to fit ``budget``."""
+    for count in range(start, e.config.num_hidden_layers + 1):
+        alt = _try(e, activation_checkpointing=mode, activation_checkpointing_layers=count)
+        if alt is not None and alt.total <= budget:
+            return count
+    return None
+
+
+def checkpointing_hint(estimate: MemoryEstimate, gpu_memory_bytes: float, use: float = 0.9) -> str | None:
+    """Where checkpointing is on and fewer checkpointed layers would still fit in ``use`` of the GPU (the
+    estimate's margin), a line saying how many: each layer left out recomputes nothing and runs faster."""
+    if estimate.checkpointing == "none":
+        return None
+    count = _fewest_checkpointed(estimate, use * gpu_memory_bytes, estimate.checkpointing)
+    if count is None or count >= estimate.checkpointed:
+        return None
+    alt = _try(estimate, activation_checkpointing_layers=count)
+    return (
+        f"activation checkpointing: {count} of {estimate.config.num_hidden_layers} layers would be enough "
+        f"(estimated {_gib(alt.total)}, within {use:.0%} of the GPU's {_gib(gpu_memory_bytes)}); "
+        f"--activation_checkpointing_layers {count} recomputes fewer layers and runs faster"
+    )
 
 
 def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
@@ -570,8 +638,14 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
     for optim in OPTIM_BYTES:
         if optim != p.optim:
             offer(f"--optim {optim}", optim=optim)
-    for mode in CHECKPOINTING[CHECKPOINTING.index(e.checkpointing) + 1 :]:
-        offer(f"--activation_checkpointing {mode}", activation_checkpointing=mode)
+    layers = e.config.num_hidden_layers
+    for mode in CHECKPOINTING[max(1, CHECKPOINTING.index(e.checkpointing)) :]:
+        # the fewest checkpointed layers that fit (the fastest), more than today's where the mode is today's
+        start = e.checkpointed + 1 if mode == e.checkpointing else 1
+        count = _fewest_checkpointed(e, budget, mode, start)
+        if count is not None:
+            flag = f"--activation_checkpointing {mode}" + (f" --activation_checkpointing_layers {count}" if count < layers else "")
+            offer(flag, activation_checkpointing=mode, activation_checkpointing_layers=-1 if count == layers else count)
     for batch in range(p.per_device_train_batch_size - 1, 0, -1):  # the largest that fits
         if offer(f"--per_device_train_batch_size {batch}", per_device_train_batch_size=batch):
             break
@@ -630,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per_device_train_batch_size", type=int, default=DEFAULTS["per_device_train_batch_size"])
     parser.add_argument("--gradient_accumulation_steps", type=int, default=DEFAULTS["gradient_accumulation_steps"])
     parser.add_argument("--activation_checkpointing", default=DEFAULTS["activation_checkpointing"], help="none, selective, full (true = full, false = none)")
+    parser.add_argument("--activation_checkpointing_layers", type=int, default=DEFAULTS["activation_checkpointing_layers"],
+                        help="how many decoder layers to checkpoint, spread evenly; -1 = all")
     parser.add_argument("--shard_experts", default=DEFAULTS["shard_experts"], help="auto, true or false")
     parser.add_argument("--dp_replicate", type=int, default=DEFAULTS["dp_replicate"])
     args = parser.parse_args(argv)
@@ -648,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
             per_device_train_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing_layers=args.activation_checkpointing_layers,
         )
     except InputError as e:
         parser.error(str(e))
@@ -655,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     error = fit_error(estimate, args.gpu_memory_gib * GiB)
     if error:
         print(error)
+    hint = None if error else checkpointing_hint(estimate, args.gpu_memory_gib * GiB)
+    if hint:
+        print(hint)
     print(f"GPU memory: {args.gpu_memory_gib:.1f} GiB per GPU")
     print("fits: no" if error else "fits: yes")
     return 1 if error else 0

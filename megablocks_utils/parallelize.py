@@ -7,8 +7,9 @@
 1. Expert parallelism: every MoE block becomes ``ExpertParallelMoE``, whose experts are DTensors
    sharded over ``mesh.ep`` (``shard_moe``; ``load_model`` does it while loading, so a rank reads only
    its own experts; ``parallelize`` does it for a model that is still a plain transformers model).
-2. Activation checkpointing per decoder layer ("full" or "selective"; ``checkpointing.py``). It
-   wraps the layer's forward, so it comes before FSDP's hooks and before compile.
+2. Activation checkpointing per decoder layer ("full" or "selective", on all layers or on a count of
+   them; ``checkpointing.py``). It wraps the layer's forward, so it comes before FSDP's hooks and before
+   compile.
 3. compile: each layer's attention and norms (``compile_dense.py``), CUDA only.
 4. FSDP2, inner modules first (not where it would shard over one rank and cast nothing, as on one rank
    whose parameters are already the compute dtype: FSDP would only copy every weight and gradient;
@@ -40,6 +41,7 @@ def parallelize(
     *,
     param_dtype: torch.dtype = torch.bfloat16,
     activation_checkpointing: str = "none",
+    activation_checkpointing_layers: int = -1,
     compile_dense: bool = False,
     fsdp: bool = True,
     reshard_after_forward: bool = True,
@@ -49,6 +51,8 @@ def parallelize(
 
     ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32, but for
     experts whose reduction is only a copy: ``expert_reduce_dtype``).
+    ``activation_checkpointing_layers``: how many decoder layers ``activation_checkpointing`` applies to,
+    spread evenly (-1: all).
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
     it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
     the experts wherever dp = 1 and they are ``param_dtype`` already (``experts_need_fsdp``). Returns the number
@@ -56,7 +60,7 @@ def parallelize(
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
         shard_moe(model, mesh, device=device)
-    apply_activation_checkpointing(model, activation_checkpointing)  # 2.
+    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_layers)  # 2.
     compiled = 0
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)

@@ -100,6 +100,7 @@ RULES = {
     "moe_backend": Choice(("native", "megablocks")),
     "dtype": Choice(("auto", "bf16", "fp32")),
     "activation_checkpointing": Choice((*ACTIVATION_CHECKPOINTING, "true", "false"), bare="full"),
+    "activation_checkpointing_layers": Number(low=0, special=-1, special_means="every decoder layer"),
     "gpu_memory_gib": NON_NEGATIVE,
     "collective_timeout_s": POSITIVE,
     "ddp_timeout": POSITIVE,

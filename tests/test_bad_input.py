@@ -200,6 +200,16 @@ EARLY_CASES = {
     "negative save_steps": (lambda tmp, model: ["--save_steps", "-3"], "--save_steps -3 is out of range; give "),
     "warmup_ratio 1.5": (lambda tmp, model: ["--warmup_ratio", "1.5"], "--warmup_ratio 1.5 is out of range; give a number in [0, 1)"),
     "max_steps 0": (lambda tmp, model: ["--max_steps", "0"], "--max_steps 0 is out of range; give -1 (num_train_epochs over the data) or an integer > 0"),
+    "checkpointing more layers than the model has": (
+        lambda tmp, model: {
+            "train_fsdp2.py": ["--activation_checkpointing", "full", "--activation_checkpointing_layers", "9"],
+            "train_fsdp1.py": ["--activation_checkpointing", "true", "--activation_checkpointing_kwargs", '{"every_n_layers": 0}'],
+        },
+        {
+            "train_fsdp2.py": "activation_checkpointing_layers=9 but the model has 4 decoder layers; give 0..4, or -1 for all",
+            "train_fsdp1.py": "activation_checkpointing_kwargs every_n_layers=0 must be a positive integer (1 = every layer)",
+        },
+    ),
 }
 
 
@@ -234,7 +244,9 @@ def test_early_bad_input_stops_with_one_message(tiny_model_dir, tmp_path, case, 
     out = tmp_path / "out"
     earlier_run(out)
     args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--overwrite_output_dir", "true"]
-    result = run_plain(script, *args, *make_args(tmp_path, tiny_model_dir))
+    case_args = make_args(tmp_path, tiny_model_dir)
+    case_args = case_args[script] if isinstance(case_args, dict) else case_args
+    result = run_plain(script, *args, *case_args)
     assert result.returncode == 2, result.stderr[-3000:]
     assert_one_message(result, message)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]

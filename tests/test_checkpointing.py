@@ -1,5 +1,6 @@
 """Activation checkpointing: "full" and "selective" give the loss and every gradient of no
-checkpointing on an expert-parallel model; "selective" recomputes no GEMM and no all-to-all."""
+checkpointing on an expert-parallel model; "selective" recomputes no GEMM and no all-to-all; a count of
+checkpointed layers recomputes those layers and no others."""
 
 import copy
 import functools
@@ -12,6 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from megablocks_utils import causal_lm_loss_sum, count_label_tokens, moe_blocks, router_stats, shard_moe
+from megablocks_utils.memory import checkpointed_layers
+from megablocks_utils.models import decoder_layers
 from megablocks_utils.checkpointing import (
     ACTIVATION_CHECKPOINTING,
     OpCounter,
@@ -30,11 +33,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def train_step(reference, mode, rank):
+def train_step(reference, mode, rank, layers=-1):
     """One forward and backward of a fresh ep=2 copy; the backward runs under an op counter."""
     model = copy.deepcopy(reference)
     mesh = shard_moe(model, 2, device="cpu")
-    apply_activation_checkpointing(model, mode)
+    apply_activation_checkpointing(model, mode, layers)
+    flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
+    chosen = checkpointed_layers(len(flags), layers) if mode != "none" else []
+    assert flags == [i in chosen for i in range(len(flags))], (mode, layers, flags)
     model.train()
     g = torch.Generator().manual_seed(rank)
     input_ids = torch.randint(1, model.config.vocab_size, (2, 10), generator=g)
@@ -57,11 +63,13 @@ def check_modes(rank, world):
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    config = tiny_mixtral_config(num_hidden_layers=2)
+    config = tiny_mixtral_config(num_hidden_layers=3)
     reference = AutoModelForCausalLM.from_config(config).float()
     runs = {mode: train_step(reference, mode, rank) for mode in ACTIVATION_CHECKPOINTING}
+    runs["full on 1"] = train_step(reference, "full", rank, layers=1)  # the middle layer only
+    runs["selective on 2"] = train_step(reference, "selective", rank, layers=2)
     loss, grads, none_ops, _ = runs["none"]
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "full on 1", "selective on 2"):
         mode_loss, mode_grads, _, recorded = runs[mode]
         assert rel_err(mode_loss, loss) <= TOL, (mode, mode_loss, loss)
         assert mode_grads.keys() == grads.keys()
@@ -80,11 +88,19 @@ def check_modes(rank, world):
     assert full_ops.total(a2a) == none_ops.total(a2a) + 3 * layers
     assert selective_ops.total(a2a) == none_ops.total(a2a), "selective communicated in the recompute"
     assert selective_ops.total(aten.silu) == full_ops.total(aten.silu) > none_ops.total(aten.silu), "element-wise ops are recomputed"
+    # A count: only those layers recompute (1 of 3 here: one layer's GEMMs and all-to-alls; 2 of 3: two layers' SiLUs).
+    assert runs["full on 1"][2].total(*MATMULS) == none_ops.total(*MATMULS) + layer_gemms
+    assert runs["full on 1"][2].total(a2a) == none_ops.total(a2a) + 3
+    silu_per_layer = (full_ops.total(aten.silu) - none_ops.total(aten.silu)) // layers
+    assert silu_per_layer > 0
+    assert runs["selective on 2"][2].total(aten.silu) == none_ops.total(aten.silu) + 2 * silu_per_layer
+    assert runs["selective on 2"][2].total(*MATMULS) == none_ops.total(*MATMULS)
 
 
 def test_full_and_selective_match_no_checkpointing_on_ep2():
-    """2 gloo ranks, ep=2, fp32: loss and every gradient equal; selective replays GEMMs and all-to-alls
-    from the forward, full recomputes each layer's GEMMs and all-to-alls once; no router recording."""
+    """2 gloo ranks, ep=2, fp32: loss and every gradient equal, on all layers and on a count of them;
+    selective replays GEMMs and all-to-alls from the forward, full recomputes each checkpointed layer's
+    GEMMs and all-to-alls once; no router recording."""
     run_ranks(check_modes, 2)
 
 
@@ -123,3 +139,23 @@ def test_parse_accepts_modes_and_old_booleans(value, mode):
 def test_parse_names_the_choices():
     with pytest.raises(ValueError, match="choose none, full .* or selective"):
         parse_activation_checkpointing("partial")
+
+
+@pytest.mark.parametrize("layers,count", [(32, 16), (32, 1), (32, 31), (5, 2), (3, 0), (7, 7), (7, -1)])
+def test_checkpointed_layers_are_the_count_spread_evenly(layers, count):
+    chosen = checkpointed_layers(layers, count)
+    want = layers if count == -1 else count
+    assert len(chosen) == len(set(chosen)) == want and all(0 <= i < layers for i in chosen)
+    if 0 < want < layers:  # gaps between chosen layers (and before the first) differ by at most one
+        gaps = [b - a for a, b in zip([-1, *chosen], chosen)]
+        assert max(gaps) - min(gaps) <= 1, chosen
+    if count == layers // 2 and layers % 2 == 0:
+        assert chosen == list(range(1, layers, 2))
+
+
+def test_a_count_beyond_the_model_is_refused():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_mixtral_config(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="give 0..2 decoder layers"):
+        apply_activation_checkpointing(model, "full", 3)

@@ -151,6 +151,53 @@ def test_checkpointing_keeps_less_and_activations_grow_with_tokens():
     assert full < 32 * 4096 * 2 * 4096 + none / 32 * 2
 
 
+def test_checkpointing_a_count_of_layers_keeps_the_rest():
+    """Each layer left out of checkpointing keeps its full activations: the estimate moves by the same
+    step per layer, from full on all 32 to none; a count of 0 is none, one above the model is refused."""
+    config = memory.load_config(MIXTRAL_8X7B)
+    act = {k: memory.activation_bytes(config, 4096, "full", k) for k in (-1, 32, 24, 16, 8, 0)}
+    none = memory.activation_bytes(config, 4096, "none")
+    assert act[-1] == act[32] < act[24] < act[16] < act[8] < none == act[0]
+    assert act[8] - act[16] == pytest.approx(act[16] - act[24]) == pytest.approx(act[24] - act[32])
+    # A layer's step: its "none" activations (at least its experts' rows in, gate_up and SwiGLU outputs, as in
+    # the test above) less the layer input that full checkpointing keeps.
+    assert (act[24] - act[32]) / 8 > 4096 * 2 * 2 * (4096 + 3 * 14336) - 4096 * 2 * 4096
+    with pytest.raises(InputError, match="has 32 decoder layers; give 0..32"):
+        _mixtral_80(activation_checkpointing="full", activation_checkpointing_layers=33)
+    with pytest.raises(InputError, match="must be -1"):
+        _mixtral_80(activation_checkpointing="full", activation_checkpointing_layers=-2)
+
+
+def _h200x4(**settings):
+    plan = dict(world_size=4, ep_size=4, nproc_per_node=4, optim="adamw_bf16", shard_experts=True, max_length=4096,
+                per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    plan.update(settings)
+    return estimate_memory(MIXTRAL_8X7B, **plan)
+
+
+def test_fit_error_offers_the_fewest_checkpointed_layers_that_fit():
+    budget = 139.8 * GiB
+    e = _h200x4()  # no checkpointing: does not fit
+    message = fit_error(e, budget)
+    count = int(re.search(r"--activation_checkpointing full --activation_checkpointing_layers (\d+)", message).group(1))
+    assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count).total <= budget
+    assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count - 1).total > budget
+    assert "checkpointing full on" in memory._settings_text(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count))
+
+
+def test_checkpointing_hint_names_how_few_layers_are_enough():
+    budget = 139.8 * GiB
+    every = _h200x4(activation_checkpointing="full")
+    hint = memory.checkpointing_hint(every, budget)
+    count = int(re.search(r"--activation_checkpointing_layers (\d+)", hint).group(1))
+    assert 0 < count < 32
+    assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count).total <= 0.9 * budget
+    assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count - 1).total > 0.9 * budget
+    assert memory.checkpointing_hint(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count), budget) is None
+    assert memory.checkpointing_hint(_h200x4(), budget) is None  # no checkpointing: nothing to leave out
+    assert memory.checkpointing_hint(every, 80 * GiB) is None  # needs every layer there (and more)
+
+
 def test_resolve_shard_experts():
     assert memory.resolve_shard_experts("auto", 16, 8) is True  # across nodes
     assert memory.resolve_shard_experts("false", 16, 8) is False
@@ -186,7 +233,7 @@ def test_fit_error_suggests_settings_that_do_fit():
     assert suggestions
     for flags, _ in suggestions:
         changes = dict(zip(*[iter(flags.replace("--", "").split())] * 2))
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing_layers"):
             if key in changes:
                 changes[key] = int(changes[key])
         assert _mixtral_80(**changes).total <= budget, flags
