@@ -4,6 +4,8 @@
 #   hf          transformers' DistributedConfig FSDP2 + EP (bench/bench_peer_hf.py): pure bf16, activation checkpointing
 #   ours_sel    train_fsdp2.py with $OURS_SEL (bf16 AdamW, selective checkpointing, experts FSDP-sharded)
 #   ours_full   the same with full checkpointing ($OURS_FULL)
+#   ours_part   full checkpointing on $PART_LAYERS of the layers only, the rest keep their activations ($OURS_PART)
+#   ours_none   no checkpointing ($OURS_NONE)
 #   emul16      train_fsdp2.py, 16 layers on 4 GPUs each capped at $EMUL_GIB GiB: the memory per GPU of 32 layers
 #               on 8 x 80 GB ($EMUL16)
 #   hf_emul16   the peer in the same 16-layer, capped setting
@@ -29,6 +31,8 @@ EMUL_GIB=${EMUL_GIB:-78}  # an H100 80GB gives PyTorch 79.2 GiB, about 78 of it 
 # Ours: train_fsdp2.py settings of each variant (edit here; the batch, steps and data are bench_fsdp1.py's flags below).
 OURS_SEL=${OURS_SEL:-"--ep_size $gpus --optim adamw_bf16 --activation_checkpointing selective --shard_experts true"}
 OURS_FULL=${OURS_FULL:-"--ep_size $gpus --optim adamw_bf16 --activation_checkpointing full --shard_experts true"}
+OURS_PART=${OURS_PART:-"$OURS_FULL --activation_checkpointing_layers ${PART_LAYERS:-$((full / 2))}"}
+OURS_NONE=${OURS_NONE:-"--ep_size $gpus --optim adamw_bf16 --activation_checkpointing none --shard_experts true"}
 EMUL16=${EMUL16:-"$OURS_SEL --gpu_memory_gib $EMUL_GIB"}
 # The peer: bench_peer_hf.py flags.
 HF=${HF:-"--precision bf16 --ac"}
@@ -94,9 +98,11 @@ for v in $variants; do
     hf)        peer hf "$full" "$ckpt" 240 $HF ;;
     ours_sel)  ours ours_sel "$full" "$ckpt" 300 "$OURS_SEL" ;;
     ours_full) ours ours_full "$full" "$ckpt" 300 "$OURS_FULL" ;;
+    ours_part) ours ours_part "$full" "$ckpt" 300 "$OURS_PART" ;;
+    ours_none) ours ours_none "$full" "$ckpt" 300 "$OURS_NONE" ;;
     emul16)    ours emul16 "$half" "$ckpt_half" 240 "$EMUL16" ;;
     hf_emul16) peer hf_emul16 "$half" "$ckpt_half" 200 $HF --gpu_memory_gib "$EMUL_GIB" ;;
-    *) echo "unknown variant $v; choose from hf ours_sel ours_full emul16 hf_emul16"; exit 2 ;;
+    *) echo "unknown variant $v; choose from hf ours_sel ours_full ours_part ours_none emul16 hf_emul16"; exit 2 ;;
   esac
 done
 

@@ -612,13 +612,15 @@ def checkpointing_hint(estimate: MemoryEstimate, gpu_memory_bytes: float, use: f
     estimate's margin), a line saying how many: each layer left out recomputes nothing and runs faster."""
     if estimate.checkpointing == "none":
         return None
-    count = _fewest_checkpointed(estimate, use * gpu_memory_bytes, estimate.checkpointing)
+    count = _fewest_checkpointed(estimate, use * gpu_memory_bytes, estimate.checkpointing, start=0)
     if count is None or count >= estimate.checkpointed:
         return None
     alt = _try(estimate, activation_checkpointing_layers=count)
+    within = f"(estimated {_gib(alt.total)}, within {use:.0%} of the GPU's {_gib(gpu_memory_bytes)})"
+    if count == 0:
+        return f"activation checkpointing: none would fit {within}; --activation_checkpointing none recomputes nothing and runs faster"
     return (
-        f"activation checkpointing: {count} of {estimate.config.num_hidden_layers} layers would be enough "
-        f"(estimated {_gib(alt.total)}, within {use:.0%} of the GPU's {_gib(gpu_memory_bytes)}); "
+        f"activation checkpointing: {count} of {estimate.config.num_hidden_layers} layers would be enough {within}; "
         f"--activation_checkpointing_layers {count} recomputes fewer layers and runs faster"
     )
 

@@ -196,6 +196,8 @@ def test_checkpointing_hint_names_how_few_layers_are_enough():
     assert memory.checkpointing_hint(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count), budget) is None
     assert memory.checkpointing_hint(_h200x4(), budget) is None  # no checkpointing: nothing to leave out
     assert memory.checkpointing_hint(every, 80 * GiB) is None  # needs every layer there (and more)
+    roomy = memory.checkpointing_hint(every, 200 * GiB)
+    assert roomy.startswith("activation checkpointing: none would fit") and _h200x4().total <= 0.9 * 200 * GiB
 
 
 def test_resolve_shard_experts():
