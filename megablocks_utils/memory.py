@@ -44,12 +44,9 @@ COMPUTE_BYTES = 2  # bf16: FSDP's param_dtype, the gathered weight copies and ev
 GATHERED_LAYERS = 2  # decoder layers whose weights are gathered at once: the one computing and the one prefetched
 # A layer's gradient before reduce-scatter: as the backward produces it (bf16) and its fp32 copy (reduce_dtype).
 UNSHARDED_GRAD_BYTES = 2 + 4
-# Experts on a one-rank FSDP mesh (dp = 1, fp32 weights, power-of-two world) reduce in bf16
-# (parallelize.expert_reduce_dtype): their copy is bf16 too.
-BF16_REDUCED_GRAD_BYTES = 2 + 2
-# Experts FSDP leaves out (dp = 1 with bf16 weights, parallelize.experts_need_fsdp): one layer's bf16 gradient as
-# the backward produces it and its copy divided by world size (the hook), before it is added in place.
-LEFT_OUT_EXPERT_GRAD_BYTES = 2 + 2
+# Experts FSDP leaves out (dp = 1, parallelize.experts_need_fsdp): one layer's gradient in the weights' dtype (cast
+# from bf16 where the weights are fp32) and its copy divided by world size (the hook), before it is added in place.
+LEFT_OUT_EXPERT_GRAD_COPIES = 2
 # Gradient accumulation with set_requires_gradient_sync(False): FSDP2 keeps every parameter's unsharded
 # gradient, upcast to reduce_dtype (fp32), from the first micro-step until the last one reduce-scatters it.
 ACCUMULATED_GRAD_BYTES = 4
@@ -336,6 +333,12 @@ def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
     return inputs + ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads + router + experts + mlp + gate
 
 
+def _uncheckpointed_moe_layers(config, mode: str, checkpointed: int) -> int:
+    s = _shape(config)
+    chosen = set(checkpointed_layers(s.layers, checkpointed)) if mode != "none" else set()
+    return sum(1 for i in range(s.layers) if i in s.moe_layers and i not in chosen)
+
+
 def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1) -> float:
     """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart), with
     ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest."""
@@ -518,13 +521,18 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     lm_head = counts.vocab * counts.hidden  # its gradient: from the first step of the backward to the root's reduce-scatter
-    if dp > 1 or param_b != COMPUTE_BYTES:  # experts under FSDP (parallelize.experts_need_fsdp)
-        expert_grad_bytes = BF16_REDUCED_GRAD_BYTES if dp == 1 and w & (w - 1) == 0 else UNSHARDED_GRAD_BYTES
+    if dp > 1:  # experts under FSDP (parallelize.experts_need_fsdp)
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * (counts.dense_layer + local_experts_layer))
-        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + expert_grad_bytes * local_experts_layer + COMPUTE_BYTES * lm_head
+        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + UNSHARDED_GRAD_BYTES * local_experts_layer + COMPUTE_BYTES * lm_head
     else:  # left out: nothing gathered, their gradients land in place
-        gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer)
-        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + LEFT_OUT_EXPERT_GRAD_BYTES * local_experts_layer + COMPUTE_BYTES * lm_head
+        casts = 0.0
+        if param_b != COMPUTE_BYTES:  # fp32 weights: the layer's bf16 cast is saved for the backward of each layer not
+            # checkpointed, and exists for one checkpointed layer at a time (its recompute)
+            kept = _uncheckpointed_moe_layers(config, mode, checkpointed) + (1 if mode != "none" and checkpointed else 0)
+            casts = COMPUTE_BYTES * local_experts_layer * kept
+        gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer) + casts
+        gathered_grads = (UNSHARDED_GRAD_BYTES * counts.dense_layer + LEFT_OUT_EXPERT_GRAD_COPIES * grad_b * local_experts_layer
+                          + COMPUTE_BYTES * lm_head)
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:
         # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts replicated over

@@ -17,8 +17,8 @@
    replicated over "dp_replicate", sharded over "dp_shard"), then each decoder layer and the root
    over ``mesh.dense``. The experts' reduce-scatter divides by ``world_size`` (not by its dp size):
    an expert's gradient holds only its own ep group's tokens, and each rank's loss is
-   ``world_size`` times its share of the global mean (``grads.py``). Experts left out of FSDP (dp = 1 and
-   bf16 weights) get that division from a gradient hook instead (``_divide_gradients``).
+   ``world_size`` times its share of the global mean (``grads.py``). Experts left out of FSDP (dp = 1: nothing
+   to shard) get that division from a gradient hook instead (``_divide_gradients``).
 
 docs/parallelism.md says which mesh each parameter lives on and how each gradient is reduced.
 """
@@ -49,13 +49,12 @@ def parallelize(
 ) -> int:
     """Apply EP (if not yet), activation checkpointing, compile and FSDP2 to ``model`` in place.
 
-    ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32, but for
-    experts whose reduction is only a copy: ``expert_reduce_dtype``).
+    ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32).
     ``activation_checkpointing_layers``: how many decoder layers ``activation_checkpointing`` applies to,
     spread evenly (-1: all).
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
     it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
-    the experts wherever dp = 1 and they are ``param_dtype`` already (``experts_need_fsdp``). Returns the number
+    the experts wherever dp = 1 (``experts_need_fsdp``). Returns the number
     of modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print.
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
@@ -90,19 +89,21 @@ def fsdp_left_out(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> 
     dtype = str(param_dtype).removeprefix("torch.")
     if not needs_fsdp(model, mesh, param_dtype):
         return f"one rank with {dtype} weights: FSDP not applied (nothing to shard or cast)"
-    if any(not experts_need_fsdp(block.experts, mesh, param_dtype) for block in moe_blocks(model)):
-        return f"dp = 1 with {dtype} weights: the experts stay out of FSDP (nothing to shard or cast; a hook divides their gradients)"
+    if moe_blocks(model) and not experts_need_fsdp(mesh):
+        cast = "" if all(p.dtype == param_dtype for b in moe_blocks(model) for p in b.experts.parameters()) else f", the layer casts them to {dtype}"
+        return f"dp = 1: the experts stay out of FSDP (nothing to shard{cast}; a hook divides their gradients)"
     return ""
 
 
-def experts_need_fsdp(experts: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> bool:
-    """False where the experts' FSDP mesh has one rank (dp = 1: ep = world size, or one GPU) and their weights
-    are ``param_dtype`` already (``adamw_bf16``): FSDP would then gather each layer's experts by copying them,
-    twice per micro-step, and pass every gradient through a one-rank reduce. Left out, they are DTensors on the
-    ep mesh alone, their gradients accumulate in place and ``_divide_gradients`` scales them as FSDP did.
-    With fp32 weights FSDP stays: its all-gather is the bf16 cast, freed after the forward (a plain cast would
-    be saved for the backward: a bf16 copy of every layer's experts)."""
-    return _fsdp_has_work(mesh.expert_fsdp.size(), experts.parameters(), param_dtype)
+def experts_need_fsdp(mesh: MoEMesh) -> bool:
+    """False where the experts' FSDP mesh has one rank (dp = 1: ep = world size, or one GPU): there is nothing
+    to shard, and FSDP would still copy each layer's experts into a one-rank all-gather (and cast them), twice
+    per micro-step, and pass every gradient through a one-rank reduce and back (2 x H200, fp32 weights: ~12% of
+    the step in copies). Left out, they are DTensors on the ep mesh alone; the layer casts fp32 weights to the
+    compute dtype itself (``ExpertParallelExperts._local_weights``; that bf16 copy is kept for the backward of
+    layers that are not checkpointed, as FSDP without resharding would), their gradients accumulate in place
+    in the weights' dtype and ``_divide_gradients`` scales them as FSDP's reduce did."""
+    return mesh.expert_fsdp.size() > 1
 
 
 def _divide_gradients(module: nn.Module, factor: int) -> None:
@@ -123,31 +124,14 @@ def _expert_shard_dim(param: nn.Parameter) -> Shard:
     return Shard(1)
 
 
-def expert_reduce_dtype(mesh: MoEMesh, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype FSDP reduces expert gradients in: fp32, except where the "reduction" is a copy.
-
-    With each ep rank holding its experts whole and no replica (the expert FSDP mesh has one rank: ep = world
-    size, or one GPU), nothing is summed; the gradient is only divided by ``world_size`` and accumulated into
-    the sharded gradient at every micro-step (``set_gradient_sync``). For a power-of-two world size that
-    division is exact in bf16, so reducing in ``param_dtype`` gives the same bits as fp32 (for gradients above
-    bf16's smallest normal, ~1e-38) and skips an fp32 copy of every expert gradient per micro-step. Dense
-    gradients keep fp32: they accumulate unsharded across micro-steps, in the reduce dtype.
-    """
-    world = mesh.world_size
-    if mesh.expert_fsdp.size() == 1 and world & (world - 1) == 0:
-        return param_dtype
-    return torch.float32
-
-
 def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # The experts' inputs include the fp32 router weights: FSDP must not cast them to bf16 (it casts a
     # module's forward inputs, but not again when activation checkpointing recomputes the layer).
-    expert_mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=expert_reduce_dtype(mesh, param_dtype),
-                                            cast_forward_inputs=False)
+    expert_mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     left_out = set()  # expert parameters FSDP does not manage (experts_need_fsdp)
     for block in moe_blocks(model):
-        if not experts_need_fsdp(block.experts, mesh, param_dtype):
+        if not experts_need_fsdp(mesh):
             left_out.update(block.experts.parameters())
             _divide_gradients(block.experts, mesh.world_size)
             continue

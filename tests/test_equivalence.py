@@ -222,38 +222,36 @@ def test_bf16_activation_checkpointing_recomputes_what_the_forward_saw():
 
 def check_dp1_expert_gradients_are_exact(rank, world):
     """At ep = world size (dp = 1) nothing is summed over the experts, so what FSDP would do for them is a copy
-    and a division by world size. With fp32 master weights FSDP stays and reduces them in bf16
-    (``expert_reduce_dtype``); with bf16 weights FSDP leaves them out and a hook divides (``experts_need_fsdp``).
-    Over two micro-steps both give, bit for bit, the gradients of FSDP reducing them in fp32. With dp > 1 they
-    stay under FSDP, in fp32."""
+    and a division by world size. FSDP leaves them out (``experts_need_fsdp``): the MoE layer casts fp32 master
+    weights to bf16 itself, and a hook divides the gradients. Over two micro-steps that gives, bit for bit, the
+    gradients of FSDP managing them and reducing in fp32, with fp32 and with bf16 weights. With dp > 1 they stay
+    under FSDP."""
     from transformers import AutoModelForCausalLM
 
     import megablocks_utils.parallelize as parallelize_module
-    from megablocks_utils.parallelize import expert_reduce_dtype, set_gradient_sync
+    from megablocks_utils.parallelize import experts_need_fsdp, set_gradient_sync
 
     config = tiny_moe_config("mixtral")
     input_ids, mask, labels = make_batch(config.vocab_size, batch=8)
-    assert expert_reduce_dtype(build_mesh(2, "cpu"), torch.bfloat16) is torch.bfloat16
-    assert expert_reduce_dtype(build_mesh(1, "cpu"), torch.bfloat16) is torch.float32  # dp = 2: a real sum
-    chosen = (parallelize_module.expert_reduce_dtype, parallelize_module.experts_need_fsdp)
-    reference = (lambda mesh, dtype: torch.float32, lambda experts, mesh, dtype: True)  # FSDP, fp32 reduce
-    for weights, expert_mesh_dims in ((torch.float32, 3), (torch.bfloat16, 1)):
+    assert not experts_need_fsdp(build_mesh(2, "cpu")) and experts_need_fsdp(build_mesh(1, "cpu"))  # dp = 2: a real sum
+    chosen = parallelize_module.experts_need_fsdp
+    for weights in (torch.float32, torch.bfloat16):
         grads = {}
-        for variant, (reduce_dtype, need_fsdp) in (("chosen", chosen), ("fp32 FSDP", reference)):
-            parallelize_module.expert_reduce_dtype, parallelize_module.experts_need_fsdp = reduce_dtype, need_fsdp
+        for variant, need_fsdp in (("chosen", chosen), ("fp32 FSDP", lambda mesh: True)):
+            parallelize_module.experts_need_fsdp = need_fsdp
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).to(weights)
             mesh = build_mesh(2, "cpu")
             parallelize(model, mesh, param_dtype=torch.bfloat16, device="cpu")
             dims = {p.device_mesh.ndim for p in expert_parameters(model)}
-            assert dims == ({expert_mesh_dims} if variant == "chosen" else {3}), (weights, variant, dims)
+            assert dims == ({1} if variant == "chosen" else {3}), (weights, variant, dims)
             for micro in range(2):
                 set_gradient_sync(model, mesh, last_micro_step=micro == 1)
                 rows = slice((2 * micro + rank) * 2, (2 * micro + rank + 1) * 2)
                 out = model(input_ids[rows], attention_mask=mask[rows])
                 (world * causal_lm_loss_sum(out.logits.float(), labels[rows]) / count_label_tokens(labels)).backward()
             grads[variant] = {n: p.grad.to_local().clone() for n, p in model.named_parameters() if ".experts." in n}
-        parallelize_module.expert_reduce_dtype, parallelize_module.experts_need_fsdp = chosen
+        parallelize_module.experts_need_fsdp = chosen
         assert grads["fp32 FSDP"] and grads["chosen"].keys() == grads["fp32 FSDP"].keys()
         for name, grad in grads["chosen"].items():
             assert grad.dtype == weights and torch.equal(grad, grads["fp32 FSDP"][name]), (weights, name)
