@@ -252,17 +252,30 @@ class _ExpertBias(torch.autograd.Function):
         return grad, grad_bias.to(ctx.bias_dtype), None, None
 
 
-class _ReuseCast(torch.autograd.Function):
-    """``weight.to(low.dtype)`` whose value was computed earlier (``low``); the backward is the cast's."""
+def _divide_cast(grad: torch.Tensor, divisor: float, dtype: torch.dtype) -> torch.Tensor:
+    return (grad.float() / divisor).to(dtype)
+
+
+class _CastDivided(torch.autograd.Function):
+    """``weight.to(dtype)`` (or ``low``, that cast made earlier); the backward casts the gradient back to the
+    weight's dtype divided by ``divisor``, in one pass: what FSDP's reduce would do (fp32, then the weight's
+    dtype) for experts it leaves out (dp = 1: nothing summed, only the division by world size). ``fuse``: one
+    compiled kernel (CUDA, power-of-two divisor: multiplying by its exact reciprocal, as the compiler may, then
+    changes no bit); else eager ops."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        ctx.weight_dtype = weight.dtype
-        return low.view_as(low)
+    def forward(ctx, weight: torch.Tensor, low: torch.Tensor | None, dtype: torch.dtype, divisor: float, fuse: bool) -> torch.Tensor:
+        ctx.weight_dtype, ctx.divisor, ctx.fuse = weight.dtype, divisor, fuse
+        if low is not None:
+            return low.view_as(low)
+        return weight.to(dtype) if weight.dtype != dtype else weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.to(ctx.weight_dtype), None
+        if ctx.divisor == 1:
+            return grad.to(ctx.weight_dtype), None, None, None, None
+        divide = _fused(_divide_cast) if ctx.fuse else _divide_cast
+        return divide(grad, ctx.divisor, ctx.weight_dtype), None, None, None, None
 
 
 class ExpertParallelExperts(nn.Module):
@@ -306,6 +319,8 @@ class ExpertParallelExperts(nn.Module):
             self.clamped_swiglu = None
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
         self.cast_cache = None  # {dtype: expert_tensors() cast} while inside ``reuse_expert_casts``
+        # Experts FSDP leaves out (parallelize: dp = 1): their gradients divided by world size in the cast's backward.
+        self.grad_divisor = 1
         self.is_silu = act_fn == "silu" and not interleaved
         self.compile_elementwise = True  # on CUDA, torch.compile the SiLU*up and the weighted combine of the k outputs
         self.overlap_chunks = 1  # ep > 1: tokens in this many chunks, one's all-to-all beside another's experts (forward)
@@ -331,14 +346,20 @@ class ExpertParallelExperts(nn.Module):
         return self.gate_up_proj, self.down_proj
 
     def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``expert_tensors()``' local blocks in ``dtype`` (from the cast cache inside ``reuse_expert_casts``)."""
+        """``expert_tensors()``' local blocks in ``dtype`` (from the cast cache inside ``reuse_expert_casts``), their
+        gradients divided by ``grad_divisor`` on the way back."""
         local = [w.to_local() if isinstance(w, DTensor) else w for w in self.expert_tensors()]
-        if self.cast_cache is None or local[0].dtype == dtype:
-            return tuple(w.to(dtype) for w in local)
-        if dtype not in self.cast_cache:
-            with torch.no_grad():
-                self.cast_cache[dtype] = tuple(w.to(dtype) for w in local)
-        return tuple(_ReuseCast.apply(w, low) for w, low in zip(local, self.cast_cache[dtype]))
+        if local[0].dtype == dtype and self.grad_divisor == 1:
+            return tuple(local)
+        lows = [None] * len(local)
+        if self.cast_cache is not None and local[0].dtype != dtype:
+            if dtype not in self.cast_cache:
+                with torch.no_grad():
+                    self.cast_cache[dtype] = tuple(w.to(dtype) for w in local)
+            lows = self.cast_cache[dtype]
+        divisor = self.grad_divisor
+        fuse = self.fuse_elementwise(local[0]) and divisor & (divisor - 1) == 0
+        return tuple(_CastDivided.apply(w, low, dtype, float(divisor), fuse) for w, low in zip(local, lows))
 
     def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.interleaved:

@@ -18,7 +18,8 @@
    over ``mesh.dense``. The experts' reduce-scatter divides by ``world_size`` (not by its dp size):
    an expert's gradient holds only its own ep group's tokens, and each rank's loss is
    ``world_size`` times its share of the global mean (``grads.py``). Experts left out of FSDP (dp = 1: nothing
-   to shard) get that division from a gradient hook instead (``_divide_gradients``).
+   to shard) get that division in the backward of the MoE layer's cast of their weights instead
+   (``ExpertParallelExperts.grad_divisor``).
 
 docs/parallelism.md says which mesh each parameter lives on and how each gradient is reduced.
 """
@@ -91,7 +92,7 @@ def fsdp_left_out(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> 
         return f"one rank with {dtype} weights: FSDP not applied (nothing to shard or cast)"
     if moe_blocks(model) and not experts_need_fsdp(mesh):
         cast = "" if all(p.dtype == param_dtype for b in moe_blocks(model) for p in b.experts.parameters()) else f", the layer casts them to {dtype}"
-        return f"dp = 1: the experts stay out of FSDP (nothing to shard{cast}; a hook divides their gradients)"
+        return f"dp = 1: the experts stay out of FSDP (nothing to shard{cast}; its backward divides their gradients)"
     return ""
 
 
@@ -102,20 +103,8 @@ def experts_need_fsdp(mesh: MoEMesh) -> bool:
     the step in copies). Left out, they are DTensors on the ep mesh alone; the layer casts fp32 weights to the
     compute dtype itself (``ExpertParallelExperts._local_weights``; that bf16 copy is kept for the backward of
     layers that are not checkpointed, as FSDP without resharding would), their gradients accumulate in place
-    in the weights' dtype and ``_divide_gradients`` scales them as FSDP's reduce did."""
+    in the weights' dtype, divided by world size in the cast's backward as FSDP's reduce did (``grad_divisor``)."""
     return mesh.expert_fsdp.size() > 1
-
-
-def _divide_gradients(module: nn.Module, factor: int) -> None:
-    """Divide each gradient of ``module``'s parameters by ``factor`` as it arrives: what FSDP's reduce with
-    ``set_gradient_divide_factor`` does, for parameters FSDP leaves alone; micro-steps then accumulate the divided
-    gradients in place. In fp32 and back, as FSDP reduces in fp32 and casts, unless ``factor`` is a power of two:
-    then the division is exact in any float dtype and needs no fp32 copy."""
-    if factor == 1:
-        return
-    exact = factor & (factor - 1) == 0
-    for p in module.parameters():
-        p.register_hook((lambda grad: grad / factor) if exact else (lambda grad: (grad.float() / factor).to(grad.dtype)))
 
 
 def _expert_shard_dim(param: nn.Parameter) -> Shard:
@@ -133,7 +122,7 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
     for block in moe_blocks(model):
         if not experts_need_fsdp(mesh):
             left_out.update(block.experts.parameters())
-            _divide_gradients(block.experts, mesh.world_size)
+            block.experts.grad_divisor = mesh.world_size  # FSDP's division, in the cast's backward
             continue
         experts = fully_shard(
             block.experts, mesh=mesh.expert_fsdp, mp_policy=expert_mp_policy, reshard_after_forward=reshard_after_forward,

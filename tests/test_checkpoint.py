@@ -236,7 +236,7 @@ EXPERTS_UNDER_FSDP = os.path.join(ROOT, "tests", "fixtures", "checkpoint_experts
 
 def test_resume_from_a_checkpoint_with_experts_under_fsdp_at_dp1(tmp_path):
     """A checkpoint of the previous layout (experts under FSDP at dp = 1: 3-D DTensors) resumes into today's (on
-    one-rank expert meshes with weights in the compute dtype they stay out of FSDP: 1-D DTensors on the ep mesh) and
+    one-rank expert meshes they stay out of FSDP: 1-D DTensors on the ep mesh) and
     continues the old run's losses."""
     out = str(tmp_path / "run")
     shutil.copytree(os.path.join(EXPERTS_UNDER_FSDP, "step_00000002"), os.path.join(out, "checkpoints", "step_00000002"))

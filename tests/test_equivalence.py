@@ -223,9 +223,9 @@ def test_bf16_activation_checkpointing_recomputes_what_the_forward_saw():
 def check_dp1_expert_gradients_are_exact(rank, world):
     """At ep = world size (dp = 1) nothing is summed over the experts, so what FSDP would do for them is a copy
     and a division by world size. FSDP leaves them out (``experts_need_fsdp``): the MoE layer casts fp32 master
-    weights to bf16 itself, and a hook divides the gradients. Over two micro-steps that gives, bit for bit, the
-    gradients of FSDP managing them and reducing in fp32, with fp32 and with bf16 weights. With dp > 1 they stay
-    under FSDP."""
+    weights to bf16 itself, and the backward of that cast divides the gradients. Over two micro-steps that gives,
+    bit for bit, the gradients of FSDP managing them and reducing in fp32, with fp32 and with bf16 weights. With
+    dp > 1 they stay under FSDP."""
     from transformers import AutoModelForCausalLM
 
     import megablocks_utils.parallelize as parallelize_module
