@@ -85,6 +85,8 @@ def main():
     p.add_argument("--no_compile", action="store_true", help="(ep) eager element-wise steps in the MoE layer (no torch.compile)")
     p.add_argument("--compile_dense", action="store_true",
                    help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
+    p.add_argument("--compile_layers", action="store_true",
+                   help="(ep) torch.compile each whole decoder layer's forward (a lever; graph breaks at the MoE layer's host sync)")
     p.add_argument("--compile_loss", action="store_true", help="torch.compile the cross-entropy (fp32 upcast of the logits fused)")
     p.add_argument("--no_reshard", action="store_true", help="FSDP2 reshard_after_forward=False for the decoder layers")
     p.add_argument("--overlap_chunks", type=int, default=1,
@@ -131,7 +133,7 @@ def main():
         "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss, "reshard_after_forward": not args.no_reshard,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "ep": args.ep or world, "shard_experts": args.shard_experts == "true", "selective_ac": args.selective_ac,
-        "overlap_chunks": args.overlap_chunks,
+        "overlap_chunks": args.overlap_chunks, "compile_layers": args.compile_layers,
         "dense_gemm_tflops": gemm,
     }
     try:
@@ -151,6 +153,9 @@ def main():
             ac = ("selective" if args.selective_ac else "full") if args.ac else "none"
             parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=ac, compile_dense=args.compile_dense,
                         reshard_after_forward=not args.no_reshard)
+            if args.compile_layers:  # the forward only: FSDP's hooks stay outside, on __call__
+                for layer in model.model.layers:
+                    layer.forward = torch.compile(layer.forward)
             experts = set(expert_parameters(model))
         else:
             from torch.distributed.device_mesh import init_device_mesh
