@@ -305,6 +305,10 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.mesh = mesh
+        # Read once: the forward then touches no DeviceMesh method (torch 2.11's dynamo fails tracing them, which
+        # compiling a whole decoder layer would do).
+        self.ep_size = mesh.ep_size
+        self.ep_group = mesh.ep_group if mesh.ep_size > 1 else None  # only the exchange (ep > 1) uses it
         self.num_local_experts = num_experts // mesh.ep_size
         self.transposed = transposed
         self.interleaved = interleaved
@@ -345,6 +349,7 @@ class ExpertParallelExperts(nn.Module):
             return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
         return self.gate_up_proj, self.down_proj
 
+    @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
     def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``expert_tensors()``' local blocks in ``dtype`` (from the cast cache inside ``reuse_expert_casts``), their
         gradients divided by ``grad_divisor`` on the way back."""
@@ -437,7 +442,7 @@ class ExpertParallelExperts(nn.Module):
         dispatch first, then each chunk's experts and its return trip): the same result, one host sync.
         """
         num_tokens, k = top_i.shape
-        ep = self.mesh.ep_size
+        ep = self.ep_size
         pieces = 1 if ep == 1 else max(1, min(self.overlap_chunks, num_tokens))
         if pieces == 1:  # x whole: a slice's backward would allocate and fill a zero gradient of all of x
             parts = [(x, top_i, top_w)]
@@ -467,7 +472,7 @@ class ExpertParallelExperts(nn.Module):
     def _exchange(self, routed: list[torch.Tensor], counts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each chunk's rows (expert order) to the ep ranks owning their experts, through the local experts, and
         back: the outputs in the order the rows were sent. One count exchange and host sync for all chunks."""
-        ep, local, group, chunks = self.mesh.ep_size, self.num_local_experts, self.mesh.ep_group, len(routed)
+        ep, local, group, chunks = self.ep_size, self.num_local_experts, self.ep_group, len(routed)
         # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
         send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)
         recv = all_to_all_single(send.reshape(-1), None, None, group).view(ep, chunks, local)
