@@ -44,9 +44,6 @@ COMPUTE_BYTES = 2  # bf16: FSDP's param_dtype, the gathered weight copies and ev
 GATHERED_LAYERS = 2  # decoder layers whose weights are gathered at once: the one computing and the one prefetched
 # A layer's gradient before reduce-scatter: as the backward produces it (bf16) and its fp32 copy (reduce_dtype).
 UNSHARDED_GRAD_BYTES = 2 + 4
-# Experts FSDP leaves out (dp = 1, parallelize.experts_need_fsdp): one layer's gradient in the weights' dtype (cast
-# from bf16 where the weights are fp32) and its copy divided by world size (the hook), before it is added in place.
-LEFT_OUT_EXPERT_GRAD_COPIES = 2
 # Gradient accumulation with set_requires_gradient_sync(False): FSDP2 keeps every parameter's unsharded
 # gradient, upcast to reduce_dtype (fp32), from the first micro-step until the last one reduce-scatters it.
 ACCUMULATED_GRAD_BYTES = 4
@@ -531,8 +528,9 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
             kept = _uncheckpointed_moe_layers(config, mode, checkpointed) + (1 if mode != "none" and checkpointed else 0)
             casts = COMPUTE_BYTES * local_experts_layer * kept
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer) + casts
-        gathered_grads = (UNSHARDED_GRAD_BYTES * counts.dense_layer + LEFT_OUT_EXPERT_GRAD_COPIES * grad_b * local_experts_layer
-                          + COMPUTE_BYTES * lm_head)
+        # one layer's bf16 gradient as the backward makes it, and its copy divided by world size in the weights'
+        # dtype (the backward of the layer's cast, moe_layer._CastDivided), before it is added in place
+        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + (COMPUTE_BYTES + grad_b) * local_experts_layer + COMPUTE_BYTES * lm_head
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:
         # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts replicated over
