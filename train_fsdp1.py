@@ -255,9 +255,8 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        per_device_train_batch_size=args.per_device_train_batch_size,
                        gradient_accumulation_steps=args.gradient_accumulation_steps,
                        activation_checkpointing="full" if args.activation_checkpointing else "none",
-                       # Trainer's activation_checkpointing_kwargs {"every_n_layers": n}: layers 0, n, 2n, ... (the count is planned)
-                       activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers,
-                                                                 int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)))))
+                       # Trainer's activation_checkpointing_kwargs {"every_n_layers": n} checkpoints layers 0, n, 2n, ...
+                       activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)))
 if master:
     print(plan.describe(), flush=True)
 if use_cuda:
