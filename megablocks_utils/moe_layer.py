@@ -305,10 +305,9 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.mesh = mesh
-        # Read once: the forward then touches no DeviceMesh method (torch 2.11's dynamo fails tracing them, which
-        # compiling a whole decoder layer would do).
+        # Read once: the forward then calls no DeviceMesh method for it (torch 2.11's dynamo fails tracing them, which
+        # compiling a whole decoder layer would do; the group comes from ``_ep_group``, outside compile).
         self.ep_size = mesh.ep_size
-        self.ep_group = mesh.ep_group if mesh.ep_size > 1 else None  # only the exchange (ep > 1) uses it
         self.num_local_experts = num_experts // mesh.ep_size
         self.transposed = transposed
         self.interleaved = interleaved
@@ -348,6 +347,12 @@ class ExpertParallelExperts(nn.Module):
         if self.has_bias:
             return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
         return self.gate_up_proj, self.down_proj
+
+    @torch.compiler.disable  # torch 2.11's dynamo fails on DeviceMesh internals
+    def _ep_group(self) -> "torch.distributed.ProcessGroup":
+        # Looked up when used, not kept on the module: a ProcessGroup held by the model outlives
+        # destroy_process_group and is torn down with the interpreter.
+        return self.mesh.ep_group
 
     @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
     def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -472,7 +477,7 @@ class ExpertParallelExperts(nn.Module):
     def _exchange(self, routed: list[torch.Tensor], counts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each chunk's rows (expert order) to the ep ranks owning their experts, through the local experts, and
         back: the outputs in the order the rows were sent. One count exchange and host sync for all chunks."""
-        ep, local, group, chunks = self.ep_size, self.num_local_experts, self.ep_group, len(routed)
+        ep, local, group, chunks = self.ep_size, self.num_local_experts, self._ep_group(), len(routed)
         # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
         send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)
         recv = all_to_all_single(send.reshape(-1), None, None, group).view(ep, chunks, local)
