@@ -83,7 +83,7 @@ from megablocks_utils.memory import check_checkpointed_layers, checkpointing_hin
 from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402
 from megablocks_utils.settings import parse_settings  # noqa: E402
 from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
-from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
+from megablocks_utils.tiny_model import TINY_CONFIG, default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
@@ -106,7 +106,8 @@ try:
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
-        check_checkpointed_layers(activation_checkpointing_layers, load_config(model_name_or_path).num_hidden_layers)
+    layers = TINY_CONFIG["num_hidden_layers"] if default_model_pending(model_name_or_path) else load_config(model_name_or_path).num_hidden_layers
+    check_checkpointed_layers(activation_checkpointing_layers, layers)
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")

@@ -210,6 +210,17 @@ EARLY_CASES = {
             "train_fsdp1.py": "activation_checkpointing_kwargs every_n_layers=0 must be a positive integer (1 = every layer)",
         },
     ),
+    "checkpointing more layers than the embedded default has": (  # checked before the default model is made
+        lambda tmp, model: {
+            "train_fsdp2.py": ["--model_name_or_path", "tiny-mixtral", "--activation_checkpointing_layers", "5"],
+            "train_fsdp1.py": ["--model_name_or_path", "tiny-mixtral", "--activation_checkpointing", "true",
+                               "--activation_checkpointing_kwargs", '{"every_n_layers": -1}'],
+        },
+        {
+            "train_fsdp2.py": "activation_checkpointing_layers=5 but the model has 4 decoder layers; give 0..4, or -1 for all",
+            "train_fsdp1.py": "activation_checkpointing_kwargs every_n_layers=-1 must be a positive integer (1 = every layer)",
+        },
+    ),
 }
 
 
