@@ -330,9 +330,13 @@ def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
     return inputs + ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads + router + experts + mlp + gate
 
 
+def _checkpointed(s: _Shape, mode: str, checkpointed: int) -> set[int]:
+    return set(checkpointed_layers(s.layers, checkpointed)) if mode != "none" else set()
+
+
 def _uncheckpointed_moe_layers(config, mode: str, checkpointed: int) -> int:
     s = _shape(config)
-    chosen = set(checkpointed_layers(s.layers, checkpointed)) if mode != "none" else set()
+    chosen = _checkpointed(s, mode, checkpointed)
     return sum(1 for i in range(s.layers) if i in s.moe_layers and i not in chosen)
 
 
@@ -341,7 +345,7 @@ def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1) -> 
     ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest."""
     s = _shape(config)
     is_moe = [i in s.moe_layers for i in range(s.layers)]
-    chosen = set(checkpointed_layers(s.layers, checkpointed)) if mode != "none" else set()
+    chosen = _checkpointed(s, mode, checkpointed)
     kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else "none") for i, moe in enumerate(is_moe))
     full_layer = max(_layer_activation_bytes(s, moe, "none") for moe in set(is_moe))
     recompute = 0.0  # the layer whose backward runs, recomputed to its "none" activations

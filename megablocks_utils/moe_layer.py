@@ -350,8 +350,8 @@ class ExpertParallelExperts(nn.Module):
 
     @torch.compiler.disable  # torch 2.11's dynamo fails on DeviceMesh internals
     def _ep_group(self) -> "torch.distributed.ProcessGroup":
-        # Looked up when used, not kept on the module: a ProcessGroup held by the model outlives
-        # destroy_process_group and is torn down with the interpreter.
+        # Looked up when used, not kept on the module, so the model holds no ProcessGroup past
+        # destroy_process_group (suspected, not shown, in one aborted shutdown after SIGTERM).
         return self.mesh.ep_group
 
     @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
