@@ -29,6 +29,7 @@ data_path = "data.json"  # records (alpaca, chat messages, prompt/completion or 
 eval_data_path = ""  # held-out records for the eval loss (same formats); "" = none, or eval_split
 eval_split = 0.0  # hold out this fraction of data_path's records for the eval loss (--eval_strategy steps --eval_steps N: when)
 packing = True  # pack several samples into each row of max_length, documents kept apart (false: one padded sample per row)
+attn_implementation = "auto"  # "auto" (the fastest exact kernel for model, device and rows), "flex_attention", "varlen", "sdpa", "eager"
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
@@ -64,7 +65,8 @@ trainer_defaults = dict(
 # Only what the inputs' checks need before they run (the Trainer, accelerate's FSDP and the model come after).
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
-from megablocks_utils.data import read_records  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_records  # noqa: E402
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_ep_size,
@@ -76,7 +78,8 @@ from megablocks_utils.inputs import (  # noqa: E402
 from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
 from megablocks_utils.settings import check_values, describe, help_comments, parse_settings  # noqa: E402
 from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
-from megablocks_utils.tiny_model import default_model_pending, ensure_default_model  # noqa: E402
+from megablocks_utils.memory import load_config  # noqa: E402
+from megablocks_utils.tiny_model import TINY_CONFIG, default_model_pending, ensure_default_model  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 training_fields = dataclasses.fields(TrainingArguments)
@@ -171,6 +174,8 @@ try:
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
+    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
+    attention, attention_choice = choose_attention(attn_implementation, model_config, "cuda" if use_cuda else "cpu")
     resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
     # accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
@@ -247,7 +252,7 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
 # The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.memory import estimate_memory, fit_error, load_config  # noqa: E402
+from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
@@ -282,7 +287,7 @@ with stop_together():
     # FSDP1 cannot shard the experts' DTensors, so they stay whole on their ep rank and replicated over
     # dp (sync_expert_grads sums their gradients); train_fsdp2.py shards them over dp as well.
     mesh = build_mesh(ep, device.type, None, timeout=args.ddp_timeout_delta, shard_experts=False)
-    model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend)
+    model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend, attn_implementation=attention)
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
 if load_balance_coeff > 0:  # before Trainer wraps the model and loads a checkpoint (megablocks_utils/balance.py)
@@ -292,7 +297,8 @@ dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e 
 world_group = mesh.world.get_group()
 if master:
     print(
-        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; {data.describe(batches.per_step)}; {total_steps} steps",
+        f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size}; attention {attention_choice}; {data.describe(batches.per_step)}; "
+        f"{total_steps} steps",
         flush=True,
     )
 
@@ -371,7 +377,8 @@ class MoETrainer(Trainer):
         return EpochDataLoader(
             dataset,
             batch_sampler=RankBatchSampler(batches),
-            collate_fn=lambda samples: collate(samples, tokenizer.pad_token_id, "cpu"),
+            # Every row max_length tokens, as in train_fsdp2.py (data.collate); moved to the GPU by Trainer.
+            collate_fn=lambda samples: collate(samples, tokenizer.pad_token_id, "cpu", max_length, attention),
         )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -383,9 +390,8 @@ class MoETrainer(Trainer):
         return samples, tokens
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Packed rows: per-document position_ids, no attention mask, no cache (see train_fsdp2.py)
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"],
-                    use_cache=False)
+        # Packed rows: per-document position_ids, no attention mask, no cache (data.collate)
+        out = model(**inputs["model_inputs"])
         stats = router_stats(model, inputs["real"], world_group)
         ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, inputs["labels"]), self.state.global_step + 1, rank, world_size)  # test hook
         micro_steps = self.current_gradient_accumulation_steps
@@ -454,7 +460,7 @@ class MoETrainer(Trainer):
         if eval_set is None:
             return {}
         value = eval_loss(self.model_wrapped, eval_set, self.args.per_device_train_batch_size, tokenizer.pad_token_id,
-                          device, world_group)
+                          device, world_group, max_length, attention)
         metrics = {f"{metric_key_prefix}_loss": value}
         self.log(metrics)
         step_metrics.log.add_eval(value, step_metrics.eval_pending)  # the step's record, written now with its eval loss

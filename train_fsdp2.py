@@ -24,7 +24,7 @@ eval_data_path = ""  # held-out records for the eval loss (same formats); "" = n
 eval_split = 0.0  # hold out this fraction of data_path's records for the eval loss (instead of eval_data_path)
 eval_steps = 0  # compute the eval loss every N steps (and at the end, whenever there is eval data); 0 = only at the end
 packing = True  # pack several samples into each row of max_length, documents kept apart (false: one padded sample per row)
-attn_implementation = "sdpa"  # transformers' attention kernel: "sdpa", "eager" or "flex_attention"
+attn_implementation = "auto"  # "auto" (the fastest exact kernel for model, device and rows), "flex_attention", "varlen", "sdpa", "eager"
 output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF model (final/)
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
@@ -68,7 +68,8 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
-from megablocks_utils.data import read_records  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.data import read_records  # noqa: E402
 from megablocks_utils.inputs import (  # noqa: E402
     InputError,
     check_dp_replicate,
@@ -106,8 +107,9 @@ try:
     if not default_model_pending(model_name_or_path):
         num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
-    layers = TINY_CONFIG["num_hidden_layers"] if default_model_pending(model_name_or_path) else load_config(model_name_or_path).num_hidden_layers
-    check_checkpointed_layers(activation_checkpointing_layers, layers)
+    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
+    check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
+    attention, attention_choice = choose_attention(attn_implementation, model_config, "cuda" if torch.cuda.is_available() else "cpu")
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -213,7 +215,7 @@ mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_exper
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend,
-                             attn_implementation=attn_implementation)
+                             attn_implementation=attention)
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
 if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bias (megablocks_utils/balance.py)
@@ -221,8 +223,8 @@ if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bia
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}); optim {optim}; {data.describe(batches.per_step)}; {total_steps} steps",
-        flush=True,
+        f"over dp, dp_replicate {dp_replicate}); optim {optim}; attention {attention_choice}; {data.describe(batches.per_step)}; "
+        f"{total_steps} steps", flush=True,
     )
 
 # ----------------------------------------------------------------------------- parallelize
@@ -299,11 +301,9 @@ for step in range(start_step, total_steps):
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
-        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device)
-        # Packed rows come with per-document position_ids and no attention mask (data.collate); without a
-        # cache, transformers turns them into a mask that keeps documents apart.
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                    use_cache=False)
+        # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
+        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
+        out = model(**batch["model_inputs"])
         stats = router_stats(model, batch["real"], world_group)
         ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
         # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
@@ -334,7 +334,8 @@ for step in range(start_step, total_steps):
     step_time = time.perf_counter() - step_start
     evaluated = None  # the eval loss (after the step's timing): every eval_steps steps and at the end
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
-        evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group)
+        evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
+                              max_length, attention)
     record = log.record(step + 1, sums, label_tokens=step_label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
                         skipped=skipped, step_time=step_time, eval_loss=evaluated)  # written to metrics.jsonl by rank 0
     if master:

@@ -387,37 +387,61 @@ class GlobalBatches:
         return mine, total_tokens
 
 
-def collate(samples: list[dict], pad_token_id: int, device) -> dict:
-    """One micro-batch as tensors; ``real`` marks real tokens (for the router statistics and token counts).
+def collate(samples: list[dict], pad_token_id: int, device, length: int | None = None, attention: str = "sdpa") -> dict:
+    """One micro-batch as tensors, every row ``length`` tokens (the scripts pass max_length; None: the longest sample).
 
-    ``attention_sq``: the sum of squared attention spans (each document's length, packed; the padded
-    length, unpacked), so that MFU counts the attention that was useful, not the row's length.
+    A fixed row length is what keeps compiled modules from recompiling on data: the last rows of a packed
+    dataset, or short unpacked samples, would otherwise give the compiled attention a new shape. What is left
+    over at the end of a row is padding with no labels: in a packed row it is a document of its own (its
+    positions restart at 0), in an unpacked one it is masked by the attention mask.
 
-    Plain samples are right-padded to the longest, with an attention mask. Packed rows (``packing.py``)
-    carry per-document ``position_ids`` instead: with no attention mask, transformers builds the
-    block-diagonal causal mask from them, so no token attends across documents.
+    ``model_inputs``: the keyword arguments of the model's forward. Packed rows carry per-document
+    ``position_ids`` and no attention mask, so transformers keeps documents apart (a block mask for flex, a dense
+    mask for sdpa/eager); for ``attention="varlen"`` they also carry the documents' cumulative lengths
+    (``attention.varlen_inputs``), computed here, on the host, once per micro-batch.
+    ``real`` marks real tokens (for the router statistics and token counts). ``attention_sq``: the sum of squared
+    attention spans (each document's length, packed; the padded length, unpacked), so that MFU counts the
+    attention that was useful, not the row's length.
     """
+    from .attention import varlen_inputs
+
     packed = "position_ids" in samples[0]
-    length = max(len(s["input_ids"]) for s in samples)
+    longest = max(len(s["input_ids"]) for s in samples)
+    if length is None:
+        length = longest
+    elif longest > length:
+        raise ValueError(f"a row of {longest} tokens does not fit the collator's length {length}")
     input_ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
     labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
     real = torch.zeros((len(samples), length), dtype=torch.long)
-    positions = torch.arange(length).repeat(len(samples), 1) if packed else None
+    positions = torch.arange(length).repeat(len(samples), 1)  # unpacked: one document, then the padding
     attention_sq = 0 if packed else len(samples) * length**2
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
         input_ids[i, :n] = torch.tensor(s["input_ids"])
         labels[i, :n] = torch.tensor(s["labels"])
         real[i, :n] = 1
-        if packed:  # the padding after the last document is a document of its own
+        if packed:
             positions[i, :n] = torch.tensor(s["position_ids"])
-            positions[i, n:] = torch.arange(length - n)
             starts = torch.cat([(positions[i, :n] == 0).nonzero().flatten(), torch.tensor([n])])
             attention_sq += int((starts.diff() ** 2).sum())
-    return {
+        positions[i, n:] = torch.arange(length - n)  # the padding after the last document is a document of its own
+    inputs = {
         "input_ids": input_ids.to(device),
         "attention_mask": None if packed else real.to(device),
         "position_ids": positions.to(device) if packed else None,
+        "use_cache": False,  # with a cache, transformers would not keep packed documents apart
+    }
+    if attention == "varlen":
+        boundaries = varlen_inputs(positions)
+        cu = boundaries["cu_seq_lens_q"].to(device)
+        # The number of documents changes from batch to batch: a dynamic size from the first compile on, not a
+        # recompile for each new count (torch._dynamo.maybe_mark_dynamic is torch.compile's documented switch).
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
+        inputs.update(cu_seq_lens_q=cu, max_length_q=boundaries["max_length_q"])
+    return {
+        **{k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")},
+        "model_inputs": inputs,
         "labels": labels.to(device),
         "real": real.to(device),
         "attention_sq": float(attention_sq),

@@ -21,6 +21,7 @@ import sys
 import tokenize
 from dataclasses import dataclass
 
+from .attention import KERNELS
 from .checkpointing import ACTIVATION_CHECKPOINTING
 from .inputs import InputError
 from .nonfinite import MODES
@@ -129,7 +130,7 @@ RULES = {
     "report_to": Choice(("none", "tensorboard")),
     "eval_split": FRACTION,
     "eval_steps": NON_NEGATIVE,
-    "attn_implementation": Choice(("sdpa", "eager", "flex_attention")),
+    "attn_implementation": Choice(KERNELS),
     "peak_tflops": NON_NEGATIVE,
 }
 

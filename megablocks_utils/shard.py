@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .attention import choose_attention
 from .loading import Checkpoint, expert_layout, load_local_experts
 from .megablocks_backend import MegablocksExperts, check_megablocks, check_megablocks_model
 from .mesh import MoEMesh, build_mesh
@@ -255,12 +256,10 @@ def load_model(
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
     config = AutoConfig.from_pretrained(model_dir)
-    spec = spec_for(config)  # fail early, with the list of supported models
-    if attn_implementation == "sdpa" and not spec.supports_sdpa:
-        raise ValueError(
-            f"{spec.model_type} has no sdpa attention in transformers (its attention sinks need eager or flex); "
-            "set attn_implementation to 'eager' or 'flex_attention'"
-        )
+    spec_for(config)  # fail early, with the list of supported models
+    if attn_implementation is not None:  # "auto" resolved, an explicit kernel checked (varlen registered)
+        device_type = torch.device(device).type if device is not None else "cpu"
+        attn_implementation = choose_attention(attn_implementation, config, device_type)[0]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     mesh = shard_moe(model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
