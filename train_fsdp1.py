@@ -175,7 +175,7 @@ try:
         num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
     model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
-    attention, attention_choice = choose_attention(attn_implementation, model_config, "cuda" if use_cuda else "cpu")
+    choose_attention(attn_implementation, model_config, "cuda" if use_cuda else "cpu")  # an impossible kernel stops here
     resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
     # accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
@@ -275,6 +275,8 @@ with stop_together():
     data = load_training_data(data_path, tokenizer, max_length, packing=packing, seed=args.seed, eval_data_path=eval_data_path,
                               eval_split=eval_split, source=model_name_or_path)
     dataset, eval_set = data.train, data.eval
+    # The kernel for these rows (megablocks_utils/attention.py): auto picks by model, device and whether rows need a mask.
+    attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask)
     batches = GlobalBatches(dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank,
                             args.seed, unit="packed rows" if packing else "samples")
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)

@@ -109,7 +109,7 @@ try:
         check_tokenizer_files(model_name_or_path)
     model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
     check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
-    attention, attention_choice = choose_attention(attn_implementation, model_config, "cuda" if torch.cuda.is_available() else "cpu")
+    choose_attention(attn_implementation, model_config, "cuda" if torch.cuda.is_available() else "cpu")  # an impossible kernel stops here
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -203,6 +203,8 @@ with stop_together():
     data = load_training_data(data_path, tokenizer, max_length, packing=packing, seed=seed, eval_data_path=eval_data_path,
                               eval_split=eval_split, source=model_name_or_path)
     dataset, eval_set = data.train, data.eval
+    # The kernel for these rows (megablocks_utils/attention.py): auto picks by model, device and whether rows need a mask.
+    attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch

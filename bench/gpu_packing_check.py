@@ -2,11 +2,14 @@
 
     python bench/gpu_packing_check.py [--hidden 1024] [--layers 2] [--docs 8]
 
-The CPU test (tests/test_packing.py) shows it in fp32 at rel 1e-5 with sdpa and eager; this runs the same
-comparison on the GPU in bf16, with a Mixtral shape of ``--hidden`` width (random weights, the embedded tokenizer,
-data.json's records) for sdpa and flex_attention (transformers' kernels that take the document mask built from
-position_ids). Prints one JSON line per kernel: the relative difference of the summed loss, the largest
-per-token difference, and the same for the fp32 model (the reference for what bf16 rounding alone does).
+The CPU test (tests/test_packing.py) shows it in fp32 at rel 1e-5 with sdpa and eager (flex: forward); this runs
+the same comparison on the GPU in bf16, with a Mixtral shape of ``--hidden`` width (random weights, the embedded
+tokenizer, data.json's records) for every kernel ``attn_implementation="auto"`` can pick on a GPU and the explicit
+ones: sdpa and flex_attention (transformers' kernels that take the document mask built from position_ids) and
+varlen (torch's flash varlen kernel over the documents' cumulative lengths, megablocks_utils/attention.py). The
+packed row is padded to a fixed length as the scripts pad it (a padding document at its end). Prints one JSON line
+per kernel: the relative difference of the summed loss, the largest per-token difference, and the same for the
+fp32 model (the reference for what bf16 rounding alone does; varlen has no fp32 kernel, so it has bf16 only).
 """
 
 import argparse
@@ -18,6 +21,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megablocks_utils.attention import register_varlen  # noqa: E402
 from megablocks_utils.data import build_dataset, collate  # noqa: E402
 from megablocks_utils.loss import IGNORE_INDEX  # noqa: E402
 from megablocks_utils.packing import pack_dataset  # noqa: E402
@@ -25,8 +29,7 @@ from megablocks_utils.tiny_model import make_tiny_mixtral  # noqa: E402
 
 
 def token_losses(model, batch):
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                use_cache=False)
+    out = model(**batch["model_inputs"])
     logits, labels = out.logits[:, :-1].float(), batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                              ignore_index=IGNORE_INDEX, reduction="none").view_as(labels)
@@ -50,15 +53,18 @@ def main():
     row = pack_dataset(samples, 8192, seed=0)
     assert len(row) == 1
     order = row[0]["samples"]
-    for attn in ("sdpa", "flex_attention"):
-        result = {"attn": attn, "docs": args.docs, "row_tokens": len(row[0]["input_ids"])}
+    length = len(row[0]["input_ids"]) + 100  # a padding document at the row's end, as every script row has
+    register_varlen()
+    for attn in ("sdpa", "flex_attention", "varlen"):
+        result = {"attn": attn, "docs": args.docs, "row_tokens": len(row[0]["input_ids"]), "row_length": length}
         try:
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in (torch.float32, torch.bfloat16) if attn != "varlen" else (torch.bfloat16,):
                 torch.manual_seed(0)
                 model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=dtype, attn_implementation=attn).cuda().eval()
                 with torch.no_grad():
-                    alone = torch.cat([token_losses(model, collate([samples[i]], tokenizer.pad_token_id, "cuda")) for i in order])
-                    packed = token_losses(model, collate([row[0]], tokenizer.pad_token_id, "cuda"))
+                    alone = torch.cat([token_losses(model, collate([samples[i]], tokenizer.pad_token_id, "cuda", attention=attn))
+                                       for i in order])
+                    packed = token_losses(model, collate([row[0]], tokenizer.pad_token_id, "cuda", length, attn))
                 name = "fp32" if dtype == torch.float32 else "bf16"
                 result[f"{name}_sum_rel"] = float((packed.sum() - alone.sum()).abs() / alone.sum())
                 result[f"{name}_max_token_abs"] = float((packed - alone).abs().max())

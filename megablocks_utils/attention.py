@@ -15,7 +15,8 @@ to mask, and the kernels differ in how they do it:
 - ``eager``: transformers' reference (matmul + softmax); the CPU choice for models with attention sinks.
 
 ``auto`` (the default): on GPU, ``flex_attention`` (BENCHMARKS.md, "Real data at full speed", measured it
-against ``varlen`` and ``sdpa``); on CPU, ``sdpa``, or ``eager`` where the model needs sinks.
+against ``varlen`` and ``sdpa``), or ``sdpa`` when no row has anything to mask; on CPU, ``sdpa``, or ``eager``
+where the model needs sinks.
 """
 
 import inspect
@@ -32,16 +33,22 @@ class AttentionChoiceError(InputError):
     """A kernel asked for that cannot run this model on this device."""
 
 
-def choose_attention(requested: str, config, device_type: str) -> tuple[str, str]:
+def choose_attention(requested: str, config, device_type: str, masked: bool = True) -> tuple[str, str]:
     """(kernel, why) for ``requested`` (one of ``KERNELS``) and a model config; an explicit kernel is checked,
-    ``auto`` resolved. The model table (``models.spec_for``) knows which models have attention sinks."""
+    ``auto`` resolved. The model table (``models.spec_for``) knows which models have attention sinks.
+
+    ``masked``: whether any row has something to mask (several documents, or padding); the scripts know once
+    the data is read (``data.TrainingData.needs_mask``). Full rows of one document each need only the causal mask.
+    """
     from .models import spec_for
 
     spec = spec_for(config)
     sinks = spec.attention_sinks
     if requested == "auto":
-        if device_type == "cuda":
+        if device_type == "cuda" and (masked or sinks):
             return "flex_attention", "auto: flex_attention (GPU; documents kept apart by a block mask, padding blocks skipped)"
+        if device_type == "cuda":
+            return "sdpa", "auto: sdpa (GPU; every row is one whole document: nothing to mask but the causal triangle)"
         if sinks:
             return "eager", f"auto: eager (CPU; {spec.model_type}'s attention sinks have no sdpa kernel, and flex has no CPU backward)"
         return "sdpa", "auto: sdpa (CPU)"

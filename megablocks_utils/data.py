@@ -327,6 +327,18 @@ class TrainingData:
     packing: bool
     max_length: int
 
+    @property
+    def needs_mask(self) -> bool:
+        """Whether any row, train or eval, holds more than one document or is shorter than max_length (padded)."""
+        for rows in (self.train, self.eval):
+            if rows is None:
+                continue
+            if any(len(ids) < self.max_length for ids in rows["input_ids"]):
+                return True
+            if self.packing and any(sum(p == 0 for p in positions) > 1 for positions in rows["position_ids"]):
+                return True
+        return False
+
     def describe(self, per_step: int) -> str:
         unit = "rows" if self.packing else "samples"
         text = f"{self.samples} {self.format} samples ({self.dropped} dropped: no label within max_length)"

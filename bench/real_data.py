@@ -1,0 +1,275 @@
+"""Real data at full speed, on one GPU in one call: ours on synthetic and real records beside transformers' own model.
+
+    python bench/real_data.py --shape qwen3_30b_a3b --layers 12 --out results.jsonl [--runs ours_synthetic,...]
+
+``--shape`` is a published model's shape cut to ``--layers`` decoder layers (random bf16 weights written once to
+``--dir``, the embedded tiny model's tokenizer): ``qwen3_30b_a3b`` (128 experts of 2048 x 768, top-8) or
+``mixtral`` (Mixtral-8x7B's width). Every run trains seq 4096, 1 row x 4 micro-steps per step, ``--warmup`` steps
+then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
+
+  ours_synthetic   train_fsdp2.py, samples of exactly 4096 tokens (bench_fsdp1's synthetic records: the ceiling)
+  ours_alpaca      train_fsdp2.py at its default settings (only --optim adamw_bf16) on data.json (alpaca)
+  ours_chat        the same on data_chat.jsonl (chat; tools/make_chat_data.py), under TORCH_LOGS=recompiles
+  ours_chat_varlen the same with --attn_implementation varlen (what auto does not pick: the comparison)
+  ours_chat_sdpa   the same with --attn_implementation sdpa (the old default)
+  hf_sdpa          transformers' own model (no FSDP, no EP: one GPU), trained on ours_chat's packed rows, sdpa
+  hf_flex          the same with flex_attention
+
+transformers' side takes exactly the rows ours trains on, step by step (data.load_training_data, GlobalBatches and
+collate with the scripts' settings), bf16 weights and torch's fused AdamW, the mean cross-entropy over the step's
+label tokens, clipping at 1.0; as a user of that model writes the loop (no compile). Each run is a fresh process.
+
+Measured per run: the step times of every measured step (``metrics.jsonl`` for ours; CUDA-synchronised for
+transformers), tokens/s = real (not padding) tokens over the summed time of all measured steps, spikes included;
+the median step and the slowest step / median. Ours: the recompile lines TORCH_LOGS printed after the warm-up
+(``recompiles_after_warmup``; each line is tagged with the steps metrics.jsonl held when it was read, so a late
+read can only count a warm-up recompile as later, never hide one). One JSON record per run goes to ``--out``;
+a table is printed at the end.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import date
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH)
+
+SHAPES = {
+    # Qwen3-30B-A3B's config.json (hidden 2048, 48 layers, 128 experts of 768, top-8, 32 q / 4 kv heads of 128).
+    "qwen3_30b_a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                        vocab_size=151936, norm_topk_prob=True, max_position_embeddings=40960,
+                                        rms_norm_eps=1e-6, router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[],
+                                        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # Mixtral-8x7B's width (8 experts of 4096 x 14336, top-2, 32 q / 8 kv heads).
+    "mixtral": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
+                                rms_norm_eps=1e-5, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_varlen", "ours_chat_sdpa", "hf_sdpa", "hf_flex"]
+SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
+
+
+def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = False) -> None:
+    """Random bf16 weights of ``shape`` with ``layers`` layers in hub layout (save_pretrained), the tiny tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from megablocks_utils.tiny_model import DEFAULT_NAME, make_tiny_mixtral
+
+    if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+        return  # complete: the tokenizer is written last
+    tiny = os.path.join(ROOT, DEFAULT_NAME)
+    if not os.path.isdir(tiny):
+        make_tiny_mixtral(tiny, os.path.join(ROOT, "data.json"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model_type, values = SHAPES[shape]
+    if shrink:
+        values = dict(values, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer))
+    config = AutoConfig.for_model(model_type, **values, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config)
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(directory, max_shard_size="5GB")
+    tokenizer.save_pretrained(directory)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {directory}: {shape}, {layers} layers, {n / 1e9:.2f} B parameters, in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def data_file(run: str, work: str, directory: str, steps: int) -> str:
+    if "synthetic" in run:
+        from transformers import AutoTokenizer
+
+        from bench_fsdp1 import synthetic_alpaca
+
+        path = os.path.join(work, "synthetic.json")
+        with open(path, "w") as f:
+            json.dump(synthetic_alpaca(AutoTokenizer.from_pretrained(directory), SEQ, MICRO_BATCH * GRAD_ACCUM * steps,
+                                       os.path.join(ROOT, "data.json")), f)
+        return path
+    return os.path.join(ROOT, "data.json" if "alpaca" in run else "data_chat.jsonl")
+
+
+def ours(run: str, args, work: str) -> dict:
+    """train_fsdp2.py at its defaults (--optim adamw_bf16, the bench batch), stopped once every step is logged."""
+    steps = args.warmup + (args.chat_steps if "chat" in run else args.steps)
+    out_dir = os.path.join(work, run)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    extra = {"ours_chat_varlen": ["--attn_implementation", "varlen"], "ours_chat_sdpa": ["--attn_implementation", "sdpa"]}.get(run, [])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp2.py"),
+               "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps), "--output_dir", out_dir,
+               "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH), "--gradient_accumulation_steps",
+               str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps", str(steps), *extra]
+    env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    log_lines = []  # (steps logged when read, line)
+
+    def logged() -> int:
+        try:
+            with open(metrics) as f:
+                return sum(1 for _ in f)
+        except OSError:
+            return 0
+
+    print(f"== {time.strftime('%H:%M:%S')} {run}: {' '.join(command[3:])}", flush=True)
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def read():
+        for raw in iter(proc.stdout.readline, b""):
+            for line in raw.decode(errors="replace").split("\r"):
+                log_lines.append((logged(), line.rstrip()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.time() + args.run_timeout
+    while proc.poll() is None and logged() < steps and time.time() < deadline:
+        time.sleep(0.5)
+    done = logged()
+    if proc.poll() is None:  # every step is logged: the final export (16+ GB) is not what is measured
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(5)
+    with open(os.path.join(work, f"{run}.log"), "w") as f:
+        f.write("\n".join(f"[{n}] {line}" for n, line in log_lines))
+    record = {"run": run, "steps_logged": done, "steps_asked": steps}
+    chosen = [line for _, line in log_lines if "attention " in line and "world " in line]
+    if chosen:
+        record["launch"] = chosen[0][:400]
+    if done < steps:
+        record.update(status="error", error=" | ".join(line for _, line in log_lines[-8:])[-800:])
+        return record
+    rows = [json.loads(line) for line in open(metrics)][args.warmup :]
+    recompiles = [(n, line) for n, line in log_lines if "Recompiling function" in line]
+    late = [line for n, line in recompiles if n >= args.warmup]
+    times = [r["step_time_s"] for r in rows]
+    record.update(status="ok", recompile_lines=len(recompiles), recompiles_after_warmup=len(late), late_recompiles=late[:5],
+                  **timing(times, [r["tokens"] for r in rows], [r["token_slots"] for r in rows]),
+                  peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None)
+    return record
+
+
+def timing(times: list[float], tokens: list[int], slots: list[int]) -> dict:
+    median = statistics.median(times)
+    return {"measured_steps": len(times), "median_step_s": median, "mean_step_s": sum(times) / len(times),
+            "max_over_median": max(times) / median, "tokens_per_s": sum(tokens) / sum(times), "token_fill": sum(tokens) / sum(slots),
+            "step_times": [round(t, 4) for t in times]}
+
+
+def hf(run: str, args) -> dict:
+    """transformers' own model on one GPU, trained on the rows ours trains on (in a fresh process)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megablocks_utils.data import GlobalBatches, collate, load_training_data
+    from megablocks_utils.loss import causal_lm_loss_sum
+
+    attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[run]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(args.dir)
+    data = load_training_data(os.path.join(ROOT, "data_chat.jsonl"), tokenizer, SEQ, packing=True, seed=SEED)
+    batches = GlobalBatches(data.train, MICRO_BATCH, GRAD_ACCUM, 1, 0, SEED, unit="packed rows")
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, attn_implementation=attn).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
+    times, tokens, slots = [], [], []
+    for step in range(args.warmup + args.chat_steps):
+        micro_batches, label_tokens = batches.micro_batches(step)
+        batches_here = [collate([data.train[j] for j in m], tokenizer.pad_token_id, device, SEQ, attn) for m in micro_batches]
+        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        sync()
+        start = time.perf_counter()
+        for batch in batches_here:
+            out = model(**batch["model_inputs"])
+            (causal_lm_loss_sum(out.logits, batch["labels"]) / label_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+            tokens.append(sum(int(b["real"].sum()) for b in batches_here))
+            slots.append(sum(b["input_ids"].numel() for b in batches_here))
+    return {"run": run, "status": "ok", **timing(times, tokens, slots),
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| run | status | median s/step | tokens/s (all measured steps) | slowest / median | token fill | "
+             "recompiles after warm-up | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['run']} | {r.get('status')} | | | | | | |")
+            continue
+        peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
+        lines.append(f"| {r['run']} | ok | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['max_over_median']:.2f} | "
+                     f"{r['token_fill']:.3f} | {r.get('recompiles_after_warmup', '')} | {peak} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_30b_a3b")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--dir", default="", help="the checkpoint (written if missing); default /tmp/<shape>-L<layers>")
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16, help="measured steps (synthetic and alpaca runs)")
+    p.add_argument("--chat_steps", type=int, default=46, help="measured steps of the chat runs (4 + 46 = 50 with TORCH_LOGS)")
+    p.add_argument("--run_timeout", type=float, default=300)
+    p.add_argument("--work", default="/tmp/real_data")
+    p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")
+    p.add_argument("--hf_run", default="", help=argparse.SUPPRESS)  # internal: one transformers run in this process
+    args = p.parse_args()
+    args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}"
+    if args.hf_run:
+        print("RECORD " + json.dumps(hf(args.hf_run, args)), flush=True)
+        return
+    import torch
+
+    os.makedirs(args.work, exist_ok=True)
+    write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
+    common = {"shape": args.shape, "layers": args.layers, "seq": SEQ, "micro_batch": MICRO_BATCH, "grad_accum": GRAD_ACCUM,
+              "warmup": args.warmup, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "date": str(date.today())}
+    records = []
+    for run in args.runs.split(","):
+        started = time.perf_counter()
+        if run.startswith("hf_"):
+            print(f"== {time.strftime('%H:%M:%S')} {run}", flush=True)
+            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--hf_run", run], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=args.run_timeout)
+            found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
+            record = json.loads(found[0]) if found else {"run": run, "status": "error", "error": (proc.stderr or proc.stdout)[-800:]}
+        else:
+            record = ours(run, args, args.work)
+        record = {**common, **record, "wall_s": round(time.perf_counter() - started, 1)}
+        records.append(record)
+        print(json.dumps({k: v for k, v in record.items() if k != "step_times"}), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    print(table(records), flush=True)
+
+
+if __name__ == "__main__":
+    main()
