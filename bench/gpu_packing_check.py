@@ -57,22 +57,22 @@ def main():
     register_varlen()
     for attn in ("sdpa", "flex_attention", "varlen"):
         result = {"attn": attn, "docs": args.docs, "row_tokens": len(row[0]["input_ids"]), "row_length": length}
-        try:
-            for dtype in (torch.float32, torch.bfloat16) if attn != "varlen" else (torch.bfloat16,):
+        for dtype in (torch.float32, torch.bfloat16) if attn != "varlen" else (torch.bfloat16,):
+            name = "fp32" if dtype == torch.float32 else "bf16"
+            try:
                 torch.manual_seed(0)
                 model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=dtype, attn_implementation=attn).cuda().eval()
                 with torch.no_grad():
                     alone = torch.cat([token_losses(model, collate([samples[i]], tokenizer.pad_token_id, "cuda", attention=attn))
                                        for i in order])
                     packed = token_losses(model, collate([row[0]], tokenizer.pad_token_id, "cuda", length, attn))
-                name = "fp32" if dtype == torch.float32 else "bf16"
                 result[f"{name}_sum_rel"] = float((packed.sum() - alone.sum()).abs() / alone.sum())
                 result[f"{name}_max_token_abs"] = float((packed - alone).abs().max())
                 result[f"{name}_mean_token_abs"] = float((packed - alone).abs().mean())
                 del model
-            result["status"] = "ok"
-        except Exception as e:  # noqa: BLE001 - report the kernel that fails, go on with the next
-            result.update(status="error", error=f"{type(e).__name__}: {e}"[:400])
+            except Exception as e:  # noqa: BLE001 - report the kernel and dtype that fail, go on with the next
+                result[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+        result["status"] = "error" if any(k.endswith("_error") for k in result) else "ok"
         print(json.dumps(result), flush=True)
 
 

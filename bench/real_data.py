@@ -10,7 +10,8 @@ then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
   ours_synthetic   train_fsdp2.py, samples of exactly 4096 tokens (bench_fsdp1's synthetic records: the ceiling)
   ours_alpaca      train_fsdp2.py at its default settings (only --optim adamw_bf16) on data.json (alpaca)
   ours_chat        the same on data_chat.jsonl (chat; tools/make_chat_data.py), under TORCH_LOGS=recompiles
-  ours_chat_varlen the same with --attn_implementation varlen (what auto does not pick: the comparison)
+  ours_chat_flex   the same with --attn_implementation flex_attention (auto picks varlen: the comparison)
+  ours_chat_varlen the same with --attn_implementation varlen (what auto picks, set explicitly)
   ours_chat_sdpa   the same with --attn_implementation sdpa (the old default)
   hf_sdpa          transformers' own model (no FSDP, no EP: one GPU), trained on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
@@ -57,7 +58,7 @@ SHAPES = {
                                 rms_norm_eps=1e-5, router_aux_loss_coef=0.02, tie_word_embeddings=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
-RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_varlen", "ours_chat_sdpa", "hf_sdpa", "hf_flex"]
+RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "hf_sdpa", "hf_flex"]
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
@@ -111,7 +112,8 @@ def ours(run: str, args, work: str) -> dict:
     steps = args.warmup + (args.chat_steps if "chat" in run else args.steps)
     out_dir = os.path.join(work, run)
     shutil.rmtree(out_dir, ignore_errors=True)
-    extra = {"ours_chat_varlen": ["--attn_implementation", "varlen"], "ours_chat_sdpa": ["--attn_implementation", "sdpa"]}.get(run, [])
+    extra = {"ours_chat_flex": ["--attn_implementation", "flex_attention"], "ours_chat_varlen": ["--attn_implementation", "varlen"],
+             "ours_chat_sdpa": ["--attn_implementation", "sdpa"]}.get(run, [])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp2.py"),
                "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps), "--output_dir", out_dir,
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH), "--gradient_accumulation_steps",
@@ -158,7 +160,10 @@ def ours(run: str, args, work: str) -> dict:
     if done < steps:
         record.update(status="error", error=" | ".join(line for _, line in log_lines[-8:])[-800:])
         return record
-    rows = [json.loads(line) for line in open(metrics)][args.warmup :]
+    rows = [json.loads(line) for line in open(metrics)]
+    record["losses"] = [round(r["loss"], 4) for r in rows]  # the same rows on every ours_chat* run: kernels compare exactly
+    rows = rows[args.warmup :]
+    shutil.rmtree(out_dir, ignore_errors=True)  # a started export (16+ GB) would fill the disk for the next run
     recompiles = [(n, line) for n, line in log_lines if "Recompiling function" in line]
     late = [line for n, line in recompiles if n >= args.warmup]
     times = [r["step_time_s"] for r in rows]
@@ -265,7 +270,7 @@ def main() -> None:
             record = ours(run, args, args.work)
         record = {**common, **record, "wall_s": round(time.perf_counter() - started, 1)}
         records.append(record)
-        print(json.dumps({k: v for k, v in record.items() if k != "step_times"}), flush=True)
+        print(json.dumps({k: v for k, v in record.items() if k not in ("step_times", "losses")}), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
     print(table(records), flush=True)

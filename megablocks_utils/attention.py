@@ -1,6 +1,6 @@
 """The attention kernel for a run: ``auto`` picks the fastest one that is exact for the model, device and rows.
 
-Every row the scripts train on is exactly ``max_length`` tokens (``data.Collator``): packed rows hold several
+Every row the scripts train on is exactly ``max_length`` tokens (``data.collate``): packed rows hold several
 documents and a padding document, unpacked rows one document and padding. So there is almost always something
 to mask, and the kernels differ in how they do it:
 
@@ -14,9 +14,10 @@ to mask, and the kernels differ in how they do it:
   transformers' public ``AttentionInterface``.
 - ``eager``: transformers' reference (matmul + softmax); the CPU choice for models with attention sinks.
 
-``auto`` (the default): on GPU, ``flex_attention`` (BENCHMARKS.md, "Real data at full speed", measured it
-against ``varlen`` and ``sdpa``), or ``sdpa`` when no row has anything to mask; on CPU, ``sdpa``, or ``eager``
-where the model needs sinks.
+``auto`` (the default), on GPU: ``varlen`` where the model allows it (BENCHMARKS.md, "Real data at full speed",
+measured it against ``flex_attention`` and ``sdpa`` on the same rows), else ``flex_attention`` (attention sinks,
+attention dropout), or ``sdpa`` when no row has anything to mask; on CPU, ``sdpa``, or ``eager`` where the model
+needs sinks.
 """
 
 import inspect
@@ -24,9 +25,6 @@ import inspect
 from .inputs import InputError
 
 KERNELS = ("auto", "sdpa", "eager", "flex_attention", "varlen")
-# The keyword arguments ``varlen`` reads; transformers passes a model's extra keyword arguments on to the
-# attention function of every layer (the same names its flash-attention kernels take).
-VARLEN_KWARGS = ("cu_seq_lens_q", "max_length_q")
 
 
 class AttentionChoiceError(InputError):
@@ -45,13 +43,17 @@ def choose_attention(requested: str, config, device_type: str, masked: bool = Tr
     spec = spec_for(config)
     sinks = spec.attention_sinks
     if requested == "auto":
-        if device_type == "cuda" and (masked or sinks):
-            return "flex_attention", "auto: flex_attention (GPU; documents kept apart by a block mask, padding blocks skipped)"
-        if device_type == "cuda":
+        if device_type != "cuda":
+            if sinks:
+                return "eager", f"auto: eager (CPU; {spec.model_type}'s attention sinks have no sdpa kernel, flex no CPU backward)"
+            return "sdpa", "auto: sdpa (CPU)"
+        if not masked and not sinks:
             return "sdpa", "auto: sdpa (GPU; every row is one whole document: nothing to mask but the causal triangle)"
-        if sinks:
-            return "eager", f"auto: eager (CPU; {spec.model_type}'s attention sinks have no sdpa kernel, and flex has no CPU backward)"
-        return "sdpa", "auto: sdpa (CPU)"
+        blocker = _varlen_blocker(spec, config)
+        if blocker is None:
+            register_varlen()
+            return "varlen", "auto: varlen (GPU; each document attends only to itself, no mask to build)"
+        return "flex_attention", f"auto: flex_attention (GPU; {blocker}, so not varlen; documents kept apart by a block mask)"
     if requested == "sdpa" and not spec.supports_sdpa:
         raise AttentionChoiceError(f"{spec.model_type} has no sdpa attention in transformers (its attention sinks need eager "
                                    "or flex); set attn_implementation to 'auto', 'eager' or 'flex_attention'")
@@ -62,14 +64,22 @@ def choose_attention(requested: str, config, device_type: str, masked: bool = Tr
         if device_type != "cuda":
             raise AttentionChoiceError("attn_implementation 'varlen' (torch's flash varlen kernel) needs a GPU; on CPU use "
                                        "'auto' or 'sdpa'")
-        if sinks:
-            raise AttentionChoiceError(f"{spec.model_type}'s attention sinks are not in torch's varlen kernel; set "
-                                       "attn_implementation to 'auto' or 'flex_attention'")
-        if getattr(config, "sliding_window", None) and not _varlen_has_window():
-            raise AttentionChoiceError("this torch's varlen kernel has no sliding window, which the model's config sets; "
-                                       "use 'auto' or 'flex_attention', or torch >= 2.11")
+        blocker = _varlen_blocker(spec, config)
+        if blocker is not None:
+            raise AttentionChoiceError(f"{blocker}; set attn_implementation to 'auto' or 'flex_attention'")
         register_varlen()
     return requested, f"{requested} (as set)"
+
+
+def _varlen_blocker(spec, config) -> str | None:
+    """What keeps this model from torch's varlen kernel, or None."""
+    if spec.attention_sinks:
+        return f"{spec.model_type}'s attention sinks are not in the varlen kernel"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout is not in the varlen kernel"
+    if getattr(config, "sliding_window", None) and not _varlen_has_window():
+        return "this torch's varlen kernel has no sliding window"
+    return None
 
 
 def _varlen_has_window() -> bool:
@@ -106,12 +116,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers' attention-function signature over torch's varlen kernel.
 
     query [B, Hq, L, D], key/value [B, Hkv, L, D] -> ([B, L, Hq, D], None). The B rows are laid end to end and
-    ``cu_seq_lens_q`` (int32, the documents' cumulative lengths over all rows, from ``data.Collator``) keeps every
+    ``cu_seq_lens_q`` (int32, the documents' cumulative lengths over all rows, from ``data.collate``) keeps every
     document to itself; ``max_length_q`` is the row length, an upper bound on a document's.
     """
     if cu_seq_lens_q is None:
         raise ValueError("attn_implementation 'varlen' needs the rows' document boundaries: call the model with "
-                         "data.Collator's model inputs (cu_seq_lens_q, max_length_q)")
+                         "data.collate's model_inputs (cu_seq_lens_q, max_length_q)")
     if dropout and module.training:
         raise ValueError("attn_implementation 'varlen' has no attention dropout; set the model's attention_dropout to 0 "
                          "or use 'flex_attention'")
