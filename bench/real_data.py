@@ -13,6 +13,7 @@ then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
   ours_chat_flex   the same with --attn_implementation flex_attention (auto picks varlen: the comparison)
   ours_chat_varlen the same with --attn_implementation varlen (what auto picks, set explicitly)
   ours_chat_sdpa   the same with --attn_implementation sdpa (the old default)
+  ours_chat_expandable  ours_chat with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   hf_sdpa          transformers' own model (no FSDP, no EP: one GPU), trained on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
 
@@ -58,7 +59,8 @@ SHAPES = {
                                 rms_norm_eps=1e-5, router_aux_loss_coef=0.02, tie_word_embeddings=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
-RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "hf_sdpa", "hf_flex"]
+RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
+        "hf_sdpa", "hf_flex"]
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
@@ -119,6 +121,8 @@ def ours(run: str, args, work: str) -> dict:
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH), "--gradient_accumulation_steps",
                str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps", str(steps), *extra]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
+    if run.endswith("_expandable"):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     metrics = os.path.join(out_dir, "metrics.jsonl")
     log_lines = []  # (steps logged when read, line)
 
@@ -169,7 +173,8 @@ def ours(run: str, args, work: str) -> dict:
     times = [r["step_time_s"] for r in rows]
     record.update(status="ok", recompile_lines=len(recompiles), recompiles_after_warmup=len(late), late_recompiles=late[:5],
                   **timing(times, [r["tokens"] for r in rows], [r["token_slots"] for r in rows]),
-                  peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None)
+                  peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None,
+                  alloc_retries=[r.get("alloc_retries") for r in rows])
     return record
 
 

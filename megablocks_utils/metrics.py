@@ -33,6 +33,9 @@ def peak_memory_gb(device: torch.device) -> dict:
         return {
             "peak_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
             "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+            # How often the caching allocator had to free its cache and retry (a slow, synchronising step): a
+            # count that grows during training explains single slow steps.
+            "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
         }
     return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
 
