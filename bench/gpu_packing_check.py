@@ -8,7 +8,7 @@ tokenizer, data.json's records) for every kernel ``attn_implementation="auto"`` 
 ones: sdpa and flex_attention (transformers' kernels that take the document mask built from position_ids) and
 varlen (torch's flash varlen kernel over the documents' cumulative lengths, megablocks_utils/attention.py). The
 packed row is padded to a fixed length as the scripts pad it (a padding document at its end). Prints one JSON line
-per kernel: the relative difference of the summed loss, the largest per-token difference, and the same for the
+per kernel (attention and norms compiled as the scripts' compile_dense does): the relative difference of the summed loss, the largest per-token difference, and the same for the
 fp32 model (the reference for what bf16 rounding alone does; varlen has no fp32 kernel, so it has bf16 only).
 """
 
@@ -22,6 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from megablocks_utils.attention import register_varlen  # noqa: E402
+from megablocks_utils.compile_dense import compile_dense_parts  # noqa: E402
 from megablocks_utils.data import build_dataset, collate  # noqa: E402
 from megablocks_utils.loss import IGNORE_INDEX  # noqa: E402
 from megablocks_utils.packing import pack_dataset  # noqa: E402
@@ -62,8 +63,11 @@ def main():
             try:
                 torch.manual_seed(0)
                 model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=dtype, attn_implementation=attn).cuda().eval()
+                compile_dense_parts(model)  # attention compiled as the scripts compile it (flex inside it, in default mode)
                 with torch.no_grad():
-                    alone = torch.cat([token_losses(model, collate([samples[i]], tokenizer.pad_token_id, "cuda", attention=attn))
+                    # each document alone in a row padded to a fixed 256 tokens, as the scripts pad every row (a row
+                    # of a few dozen tokens would send flex down its decoding path, which training never takes)
+                    alone = torch.cat([token_losses(model, collate([samples[i]], tokenizer.pad_token_id, "cuda", 256, attn))
                                        for i in order])
                     packed = token_losses(model, collate([row[0]], tokenizer.pad_token_id, "cuda", length, attn))
                 result[f"{name}_sum_rel"] = float((packed.sum() - alone.sum()).abs() / alone.sum())

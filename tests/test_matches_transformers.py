@@ -13,7 +13,8 @@ from conftest import read_jsonl
 # What train_fsdp2.py uses by default (its settings block), checked against the run's settings.json.
 DEFAULTS = {"learning_rate": 2e-3, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-8, "weight_decay": 0.0,
             "max_grad_norm": 1.0, "max_length": 256, "seed": 42, "lr_scheduler_type": "cosine", "packing": True,
-            "router_aux_loss_coef": -1.0, "activation_checkpointing": "full"}
+            "router_aux_loss_coef": -1.0, "activation_checkpointing": "full", "attn_implementation": "auto"}
+ATTENTION_ON_CPU = "sdpa"  # what attn_implementation "auto" picks on CPU (megablocks_utils.attention, tests/test_attention.py)
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
@@ -36,7 +37,7 @@ def plain_transformers_losses(model_dir: str, data_path: str, s: dict) -> list[d
     dataset = pack_dataset(build_dataset(data_path, tokenizer, s["max_length"])[0], s["max_length"], s["seed"])
     steps, grad_accum = s["max_steps"], s["gradient_accumulation_steps"]
     batches = GlobalBatches(dataset, s["per_device_train_batch_size"], grad_accum, world_size=1, rank=0, seed=s["seed"])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=s["attn_implementation"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION_ON_CPU)
     model.train()
     config = model.config
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["learning_rate"], betas=(s["adam_beta1"], s["adam_beta2"]),

@@ -1,0 +1,163 @@
+"""The attention kernel: auto's choice, fixed-shape rows, and packed = unpacked for every kernel auto can pick.
+
+The CUDA-only varlen kernel runs on CPU here through a per-document reference (sdpa on each document alone), so
+the plumbing is proven (rows laid end to end, cumulative lengths, grouped-query heads, transformers passing the
+keyword arguments to every layer); bench/gpu_packing_check.py compares the kernel itself on a GPU.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, tiny_moe_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megablocks_utils import attention
+from megablocks_utils.attention import AttentionChoiceError, choose_attention, varlen_inputs
+from megablocks_utils.data import GlobalBatches, build_dataset, collate, load_training_data
+from megablocks_utils.loss import IGNORE_INDEX
+from megablocks_utils.packing import pack_dataset
+
+
+@pytest.mark.parametrize("model_type, device, masked, expected", [
+    ("mixtral", "cuda", True, "varlen"),
+    ("qwen3_moe", "cuda", True, "varlen"),
+    ("mixtral", "cuda", False, "sdpa"),  # full rows of one document: only the causal triangle
+    ("gpt_oss", "cuda", True, "flex_attention"),  # sinks: not in the varlen kernel
+    ("gpt_oss", "cuda", False, "flex_attention"),  # sinks: no sdpa kernel
+    ("mixtral", "cpu", True, "sdpa"),
+    ("gpt_oss", "cpu", True, "eager"),  # sinks: no sdpa, and flex has no CPU backward
+])
+def test_auto_picks_an_exact_kernel_for_model_device_and_rows(model_type, device, masked, expected):
+    kernel, why = choose_attention("auto", tiny_moe_config(model_type), device, masked=masked)
+    assert kernel == expected and why.startswith(f"auto: {expected}")
+
+
+def test_auto_leaves_varlen_for_attention_dropout():
+    assert choose_attention("auto", tiny_moe_config("mixtral", attention_dropout=0.1), "cuda")[0] == "flex_attention"
+
+
+@pytest.mark.parametrize("model_type, kernel, device, message", [
+    ("mixtral", "varlen", "cpu", "needs a GPU"),
+    ("gpt_oss", "varlen", "cuda", "attention sinks are not in the varlen kernel"),
+    ("gpt_oss", "sdpa", "cuda", "gpt_oss has no sdpa attention"),
+    ("gpt_oss", "flex_attention", "cpu", "sinks need flex_attention on a GPU"),
+])
+def test_an_explicit_kernel_that_cannot_run_is_a_clear_error(model_type, kernel, device, message):
+    with pytest.raises(AttentionChoiceError, match=message):
+        choose_attention(kernel, tiny_moe_config(model_type), device)
+
+
+def test_explicit_kernels_that_can_run_are_kept():
+    for kernel in ("sdpa", "eager", "flex_attention"):
+        assert choose_attention(kernel, tiny_moe_config("mixtral"), "cpu")[0] == kernel
+    assert choose_attention("varlen", tiny_moe_config("mixtral"), "cuda")[0] == "varlen"
+
+
+def test_varlen_inputs_mark_every_document_of_every_row():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    inputs = varlen_inputs(positions)
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 10, 12] and inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert inputs["max_length_q"] == 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    return build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 1024)[0]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_every_training_batch_has_the_same_shape(tokenizer, packing):
+    """Fixed shapes, the cause of no recompiles: every micro-batch of an epoch is [micro_batch, max_length], the
+    short last rows (packed) and short samples (unpacked) included, and padding carries no labels."""
+    data = load_training_data(os.path.join(ROOT, "data.json"), tokenizer, 256, packing=packing, seed=0)
+    batches = GlobalBatches(data.train, 4, 2, 1, 0, 0)
+    assert min(len(ids) for ids in data.train["input_ids"]) < 256  # there are short rows to pad
+    for step in range(batches.steps_per_epoch):
+        for indices in batches.micro_batches(step)[0]:
+            batch = collate([data.train[i] for i in indices], tokenizer.pad_token_id, "cpu", 256)
+            assert batch["input_ids"].shape == (4, 256)
+            assert (batch["labels"][batch["real"] == 0] == IGNORE_INDEX).all()
+            model_inputs = batch["model_inputs"]
+            assert (model_inputs["attention_mask"] is None) == packing and model_inputs["use_cache"] is False
+    assert data.needs_mask
+
+
+def _documents_alone(query, key, value, cu_seqlens, max_len, scale, window):
+    """The varlen kernel's contract on CPU: causal attention within each [cu[i], cu[i+1]) span, nothing across."""
+    assert window == -1
+    out = torch.empty_like(query)
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, tokens, dim]
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def per_token_losses(model, batch):
+    logits, labels = model(**batch["model_inputs"]).logits[:, :-1].float(), batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="none").view_as(labels)
+    return loss, labels != IGNORE_INDEX
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex_attention", "varlen"])
+def test_packed_fixed_length_rows_give_the_unpacked_losses_for_every_kernel(tiny_model_dir, samples, tokenizer, monkeypatch,
+                                                                            kernel):
+    """Two rows of max_length tokens, each several documents and a padding document, against every document alone:
+    the same losses (fp32, 1e-5) and, where the kernel has a CPU backward (all but flex), the same gradients."""
+    if kernel == "varlen":
+        monkeypatch.setattr(attention, "_varlen_kernel", _documents_alone)
+        attention.register_varlen()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=kernel)
+    chosen = samples.select(range(8))
+    length = max(len(ids) for ids in chosen["input_ids"]) * 3
+    packed = pack_dataset(chosen, length, seed=0)
+    rows = [packed[0], packed[1]]
+    assert all(len(r["samples"]) > 1 and len(r["input_ids"]) < length for r in rows)  # each ends in a padding document
+    backward = kernel != "flex_attention"
+
+    alone, alone_grads = [], None
+    for row in rows:
+        for i in row["samples"]:
+            model.zero_grad()
+            with torch.set_grad_enabled(backward):
+                loss, mask = per_token_losses(model, collate([samples[i]], tokenizer.pad_token_id, "cpu", attention=kernel))
+            alone.append(loss[mask])
+            if backward:
+                loss[mask].sum().backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
+
+    model.zero_grad()
+    batch = collate([rows[0], rows[1]], tokenizer.pad_token_id, "cpu", length, kernel)
+    assert batch["input_ids"].shape == (2, length)
+    with torch.set_grad_enabled(backward):
+        loss, mask = per_token_losses(model, batch)
+    torch.testing.assert_close(loss[mask], torch.cat(alone), rtol=1e-5, atol=1e-6)
+    if backward:
+        loss[mask].sum().backward()
+        for p, g in zip(model.parameters(), alone_grads):
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_check_can_fail(tiny_model_dir, samples, tokenizer, monkeypatch):
+    """The reference kernel keeps documents apart only through the cumulative lengths: one span over the whole
+    batch (documents mixed) gives other losses, so the test above would see a wrong boundary."""
+    monkeypatch.setattr(attention, "_varlen_kernel", _documents_alone)
+    attention.register_varlen()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="varlen")
+    row = pack_dataset(samples.select(range(4)), 1024, seed=0)[0]
+    batch = collate([row], tokenizer.pad_token_id, "cpu", 1024, "varlen")
+    right, mask = per_token_losses(model, batch)
+    batch["model_inputs"]["cu_seq_lens_q"] = torch.tensor([0, 1024], dtype=torch.int32)
+    wrong, _ = per_token_losses(model, batch)
+    assert not torch.allclose(right[mask], wrong[mask], rtol=1e-3)
