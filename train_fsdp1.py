@@ -160,6 +160,12 @@ try:
         require_tensorboard()
     if args.fp16:
         raise InputError("fp16 (with its loss scaler) is not supported with the expert shards; use --bf16 true")
+    from transformers import Trainer
+
+    try:  # Trainer's own lookup of --optim: an optimizer whose package is missing stops here, not after loading
+        Trainer.get_optimizer_cls_and_kwargs(args)
+    except (ImportError, ValueError) as e:
+        raise InputError(f"--optim {args.optim}: {e}; or choose an optimizer torch has, e.g. --optim adamw_torch") from None
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
     every_n = (args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)
@@ -250,7 +256,7 @@ if args.world_size != world_size:
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
 # ----------------------------------------------------------------------------- data and model
-ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
+ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
 # The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
 from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
 

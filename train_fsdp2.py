@@ -179,7 +179,7 @@ if resume == "auto" and resume_from is None and not overwrite_output_dir and {"s
          "output_dir, or pass --overwrite_output_dir true to replace it")
 
 # ----------------------------------------------------------------------------- data and model
-ensure_default_model(model_name_or_path, data_path)  # the embedded default: made once, locally, deterministically
+ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
 # The fit check: the per-GPU peak estimated from config.json alone, before any weight is read.
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim=optim, shard_experts=experts_sharded,
                        dp_replicate=dp_replicate, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),

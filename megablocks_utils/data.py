@@ -102,7 +102,13 @@ def _load_with_datasets(path: str) -> list:
     if not files:
         raise DataError(f"data path {path!r} is a directory with neither a save_to_disk dataset nor parquet files; "
                         f"set data_path to {FILE_KINDS}")
-    return datasets.load_dataset("parquet", data_files=files, split="train").to_list()
+    try:
+        return datasets.load_dataset("parquet", data_files=files, split="train").to_list()
+    except Exception as e:  # pyarrow's ArrowInvalid, or datasets wrapping it: say which file, not a traceback
+        if type(e).__module__.split(".")[0] not in ("pyarrow", "datasets"):
+            raise
+        raise DataError(f"{path} cannot be read as parquet ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                        f"re-write the file, or give {FILE_KINDS}") from e
 
 
 def detect_format(record, path: str = "data") -> str:

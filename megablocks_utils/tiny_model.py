@@ -1,7 +1,7 @@
 """The embedded default model: a tiny Mixtral created locally and deterministically.
 
 No model hub is reachable here or in CI, so the default run makes its own model: a byte-level BPE
-tokenizer trained on the data file, a small Mixtral config, seeded random weights, written as a
+tokenizer trained on the shipped data.json, a small Mixtral config, seeded random weights, written as a
 real sharded hub-layout checkpoint, which the trainer then loads through the same code path as a
 real Mixtral.
 """
@@ -99,13 +99,18 @@ def default_model_pending(model_name_or_path: str) -> bool:
     return model_name_or_path == DEFAULT_NAME and not os.path.isdir(model_name_or_path)
 
 
-def ensure_default_model(model_name_or_path: str, data_path: str) -> None:
-    """Collective: create the embedded default on first use (rank 0 writes it, the others wait)."""
+# The shipped alpaca records the embedded tokenizer is trained on, whatever data a run trains on (a chat or text
+# data_path must not change, or break, the default model).
+SHIPPED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data.json")
+
+
+def ensure_default_model(model_name_or_path: str) -> None:
+    """Collective: create the embedded default on first use (rank 0 writes it, the others wait), from SHIPPED_DATA."""
     import torch.distributed as dist
 
     if not default_model_pending(model_name_or_path):
         return
     if dist.get_rank() == 0:
         print(f"creating the embedded tiny Mixtral in ./{DEFAULT_NAME}", flush=True)
-        make_tiny_mixtral(model_name_or_path, data_path)
+        make_tiny_mixtral(model_name_or_path, SHIPPED_DATA)
     dist.barrier()

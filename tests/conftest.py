@@ -133,11 +133,11 @@ def tmp_dir(tmp_path):
     return str(tmp_path)
 
 
-def run_script(script: str, nproc: int, *args: str, timeout: int = 300):
+def run_script(script: str, nproc: int, *args: str, timeout: int = 300, cwd: str = ROOT):
     """Launch a training script with torchrun on ``nproc`` CPU ranks; returns the CompletedProcess."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def _run_as_main(script: str, args: tuple, stdout: str, stderr: str) -> None:
 
 def run_plain(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python <script> <args>` on one process (the script runs unchanged as __main__ in a forked child)."""
-    from transformers import TrainingArguments  # noqa: F401  (imported once here, not in every child)
+    from transformers import Trainer, TrainingArguments  # noqa: F401  (imported once here, not in every child)
 
     with tempfile.TemporaryDirectory() as tmp:
         stdout, stderr = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -75,9 +75,9 @@ def launch(script: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- bad inputs, each made in tmp
 
 
-def data_file(text):
+def data_file(text, name="data.json"):
     def make(tmp, model):
-        path = tmp / "data.json"
+        path = tmp / name
         path.write_text(text)
         return ["--data_path", str(path)]
 
@@ -158,6 +158,14 @@ EARLY_CASES = {
     "record without instruction": (data_file('[{"instruction": "a", "output": "b"}, {"output": "c"}]'), "record 1 has no 'instruction' field; every record needs instruction and output"),
     "field not a string": (data_file('[{"instruction": "a", "input": 3, "output": "b"}]'), "record 0 field 'input' is a number, not a string; fix the record"),
     "no records": (data_file("[]"), "data.json holds no records; add records to train on"),
+    "corrupt parquet": (
+        data_file("PAR1 not a parquet file", name="data.parquet"),
+        "data.parquet cannot be read as parquet (ArrowInvalid: Parquet magic bytes not found in footer",
+    ),
+    "attention kernel that cannot run here": (
+        lambda tmp, model: ["--attn_implementation", "varlen"],
+        "attn_implementation 'varlen' (torch's flash varlen kernel) needs a GPU; on CPU use 'auto' or 'sdpa'",
+    ),
     "model dir missing": (lambda tmp, model: ["--model_name_or_path", str(tmp / "nope")], "nope' does not exist; set model_name_or_path to a local Hugging Face model directory"),
     "no config.json": (model_copy(remove("config.json")), "has no config.json, so it is not a Hugging Face model directory"),
     "no safetensors": (model_copy(remove("*.safetensors", "*.index.json")), "no model.safetensors.index.json or model.safetensors in"),
@@ -198,6 +206,10 @@ EARLY_CASES = {
     "accumulation 0": (lambda tmp, model: ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0 is out of range; give an integer > 0"),
     "learning rate nan": (lambda tmp, model: ["--learning_rate", "nan"], "--learning_rate nan is not a finite number; give a number > 0"),
     "negative save_steps": (lambda tmp, model: ["--save_steps", "-3"], "--save_steps -3 is out of range; give "),
+    "optimizer whose package is missing": (lambda tmp, model: ["--optim", "adamw_8bit"], {  # Trainer's name for bitsandbytes' 8-bit AdamW
+        "train_fsdp2.py": "--optim adamw_8bit is unknown; choose one of",
+        "train_fsdp1.py": "--optim adamw_8bit: You need to install `bitsandbytes`",
+    }),
     "warmup_ratio 1.5": (lambda tmp, model: ["--warmup_ratio", "1.5"], "--warmup_ratio 1.5 is out of range; give a number in [0, 1)"),
     "max_steps 0": (lambda tmp, model: ["--max_steps", "0"], "--max_steps 0 is out of range; give -1 (num_train_epochs over the data) or an integer > 0"),
     "checkpointing more layers than the model has": (

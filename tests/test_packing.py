@@ -105,3 +105,24 @@ def test_collate_marks_real_tokens_and_restarts_positions(samples, tokenizer):
     assert batch["position_ids"][1, m:].tolist() == list(range(n - m))
     starts = (batch["position_ids"][0, :n] == 0).nonzero().flatten().tolist()
     assert len(starts) == 3 and all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)
+
+
+def test_packed_text_records_give_the_unpacked_loss(tiny_model_dir, tokenizer, tmp_path):
+    """{"text"} records label every token, the first one too: packed, a document's first label would be predicted
+    from the previous document, so packing must drop it. The packed row's summed loss and label count equal the
+    documents' own, one by one."""
+    import json
+
+    records = [{"text": r["output"] + " " + r["instruction"]} for r in json.load(open(os.path.join(ROOT, "data.json")))[:6]]
+    path = tmp_path / "text.json"
+    path.write_text(json.dumps(records))
+    docs = build_dataset(str(path), tokenizer, 1024)[0]
+    assert all(d["labels"][0] != IGNORE_INDEX for d in docs)  # the format whose first label is a real token
+    packed = pack_dataset(docs, 1024, seed=0)
+    assert len(packed) == 1 and len(packed[0]["samples"]) == 6
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        alone = [per_token_losses(model, collate([docs[i]], tokenizer.pad_token_id, "cpu")) for i in packed[0]["samples"]]
+        loss, mask = per_token_losses(model, collate([packed[0]], tokenizer.pad_token_id, "cpu", 1024))
+    assert int(mask.sum()) == sum(int(m.sum()) for _, m in alone) == packed[0]["num_label_tokens"]
+    torch.testing.assert_close(loss[mask].sum(), sum(l[m].sum() for l, m in alone), rtol=1e-5, atol=1e-5)
