@@ -165,7 +165,8 @@ try:
     try:  # Trainer's own lookup of --optim: an optimizer whose package is missing stops here, not after loading
         Trainer.get_optimizer_cls_and_kwargs(args)
     except (ImportError, ValueError) as e:
-        raise InputError(f"--optim {args.optim}: {e}; or choose an optimizer torch has, e.g. --optim adamw_torch") from None
+        optim_name = getattr(args.optim, "value", args.optim)  # TrainingArguments keeps an OptimizerNames member
+        raise InputError(f"--optim {optim_name}: {e}; or choose an optimizer torch has, e.g. --optim adamw_torch") from None
     if args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("use_reentrant"):
         raise InputError("use_reentrant activation checkpointing loses the load-balancing loss's gradient; drop use_reentrant")
     every_n = (args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)
