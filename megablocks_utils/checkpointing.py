@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .inputs import parse_bool
 from .memory import checkpointed_layers
 from .models import decoder_layers
 
@@ -120,10 +121,11 @@ def _contexts(blocks: list[nn.Module], selective: bool):
 def parse_activation_checkpointing(value: str | bool) -> str:
     """A setting's value as a mode; true/false (older command lines: ``--activation_checkpointing true``)
     mean "full"/"none"."""
+    flag = parse_bool(value)
+    if flag is not None:
+        return "full" if flag else "none"
     text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return "full"
-    if text in ("0", "false", "no", "off", ""):
+    if text == "":
         return "none"
     if text not in ACTIVATION_CHECKPOINTING:
         raise ValueError(

@@ -21,6 +21,19 @@ class InputError(ValueError):
     """Something the user gave (a file, a directory, a setting) that cannot work, stated with the fix."""
 
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(value) -> bool | None:
+    """A true/false setting's value (a bool, or a word of TRUE_WORDS / FALSE_WORDS in any case) as a bool; None
+    for any other text, which each caller reads its own way (a mode name, "auto") or refuses. The one parser of
+    true/false words: settings, activation_checkpointing, shard_experts and the fit check all use it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return True if text in TRUE_WORDS else False if text in FALSE_WORDS else None
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
@@ -117,14 +130,10 @@ def resolve_shard_experts(setting, world_size: int, nproc_per_node: int) -> bool
     "auto": always when the job spans more than one node (``world_size > nproc_per_node``: replicated
     experts would not shrink as nodes are added); inside one node, ``SHARD_EXPERTS_IN_ONE_NODE``.
     """
-    if isinstance(setting, bool):
-        return setting
-    text = str(setting).lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    if text == "auto":
+    flag = parse_bool(setting)
+    if flag is not None:
+        return flag
+    if str(setting).lower() == "auto":
         return world_size > nproc_per_node > 0 or SHARD_EXPERTS_IN_ONE_NODE
     raise InputError(f"shard_experts={setting!r} is unknown; choose auto, true or false")
 

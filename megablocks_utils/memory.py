@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from .inputs import InputError, check_ep_size, resolve_shard_experts
+from .inputs import InputError, check_ep_size, parse_bool, resolve_shard_experts
 from .models import spec_for
 
 GiB = 2**30
@@ -112,10 +112,10 @@ def checkpointed_layers(num_layers: int, count: int) -> list[int]:
 
 def checkpointing_mode(setting) -> str:
     """``activation_checkpointing`` as the scripts give it (a bool, or none/selective/full) -> a mode name."""
-    if isinstance(setting, bool):
-        return "full" if setting else "none"
+    flag = parse_bool(setting)
+    if flag is not None:
+        return "full" if flag else "none"
     text = str(setting).lower()
-    text = {"true": "full", "false": "none", "1": "full", "0": "none"}.get(text, text)
     if text not in CHECKPOINTING:
         raise InputError(f"activation_checkpointing={setting!r} is unknown; choose none, selective or full (true = full, false = none)")
     return text

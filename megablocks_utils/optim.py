@@ -32,12 +32,12 @@ param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors).
 
 import torch
 
+from .memory import OPTIM_BYTES
+
 OPTIMIZERS = ("adamw_torch", "adamw_bf16", "adamw_torch_8bit")
 TORCHAO_VERSION = "0.18.0"  # the version these notes were checked with (CPU: torch 2.13; the GPU wheel is the same)
 
 _PARAM_DTYPE = {"adamw_torch": torch.float32, "adamw_bf16": torch.bfloat16, "adamw_torch_8bit": torch.float32}
-# AdamW's two moments, bytes per parameter, for tensors large enough to be quantised (see above).
-_STATE_BYTES = {"adamw_torch": 8.0, "adamw_bf16": 4.0, "adamw_torch_8bit": 2.0 + 2 * 4 / 256}
 BLOCK_SIZE_8BIT = 256  # AdamW8bit's default: values per fp32 scale
 MIN_NUMEL_8BIT = 4096  # torchao keeps fp32 moments for a local shard below this
 
@@ -54,9 +54,10 @@ def param_dtype(optim: str) -> torch.dtype:
 
 
 def state_bytes_per_param(optim: str) -> float:
-    """Bytes of optimizer state (both moments) per parameter, for large tensors."""
+    """Bytes of optimizer state (both moments) per parameter, for tensors large enough to be quantised (see above):
+    the fit check's table (memory.OPTIM_BYTES), the one place these numbers live."""
     check_optim(optim)
-    return _STATE_BYTES[optim]
+    return float(OPTIM_BYTES[optim][2])
 
 
 def bytes_per_param(optim: str) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .attention import KERNELS
 from .checkpointing import ACTIVATION_CHECKPOINTING
-from .inputs import InputError
+from .inputs import InputError, parse_bool
 from .nonfinite import MODES
 from .optim import OPTIMIZERS
 
@@ -134,9 +134,6 @@ RULES = {
     "peak_tflops": NON_NEGATIVE,
 }
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -154,10 +151,9 @@ def check_values(values: dict, numbers_only: bool = False) -> None:
 
 def _parse(name: str, text: str, default):
     if isinstance(default, bool):
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
+        flag = parse_bool(text)
+        if flag is not None:
+            return flag
         raise SettingsError(f"--{name} expects true or false, got {text!r}")
     if default is None or isinstance(default, str):
         return None if text.lower() == "none" and default is None else text

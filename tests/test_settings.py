@@ -205,3 +205,18 @@ def test_a_bad_value_from_the_config_file_is_reported_before_the_launch_check(tm
     assert result.stderr.strip() == "error: --gradient_accumulation_steps 0 is out of range; give an integer > 0"
     result = run(FSDP2, "--config", str(tmp_path / "run.yaml"))
     assert result.stderr.strip().startswith("error: --max_steps 0 is out of range; give -1 (num_train_epochs over the data)")
+
+
+def test_one_parser_reads_true_false_words_for_every_setting():
+    """settings, activation_checkpointing, shard_experts and the fit check read true/false the same way."""
+    from megablocks_utils.checkpointing import parse_activation_checkpointing
+    from megablocks_utils.inputs import parse_bool, resolve_shard_experts
+    from megablocks_utils.memory import checkpointing_mode
+
+    for word, value in [("1", True), ("True", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
+                        ("No", False), ("off", False)]:
+        assert parse_bool(word) is value
+        assert parse("--packing", word)["packing"] is value
+        assert parse_activation_checkpointing(word) == checkpointing_mode(word) == ("full" if value else "none")
+        assert resolve_shard_experts(word, 8, 8) is value
+    assert parse_bool("auto") is None and parse_bool("full") is None
