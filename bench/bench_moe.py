@@ -81,7 +81,6 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--fused_adamw", action="store_true", help="torch.optim.AdamW(fused=True) instead of foreach")
-    p.add_argument("--reuse_casts", action="store_true", help="(ep) no longer used: FSDP2 casts the experts once per all-gather")
     p.add_argument("--no_compile", action="store_true", help="(ep) eager element-wise steps in the MoE layer (no torch.compile)")
     p.add_argument("--compile_dense", action="store_true",
                    help="torch.compile each decoder layer's attention (with its rotary embedding) and RMSNorms")
@@ -130,7 +129,7 @@ def main():
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "activation_checkpointing": args.ac, "fused_adamw": args.fused_adamw,
-        "reuse_casts": args.reuse_casts, "compile_dense": args.compile_dense, "compile_loss": args.compile_loss, "reshard_after_forward": not args.no_reshard,
+        "compile_dense": args.compile_dense, "compile_loss": args.compile_loss, "reshard_after_forward": not args.no_reshard,
         "compile_elementwise": args.config == "ep" and not args.no_compile, "date": date.today().isoformat(), "torch": torch.__version__,
         "ep": args.ep or world, "shard_experts": args.shard_experts == "true", "selective_ac": args.selective_ac,
         "overlap_chunks": args.overlap_chunks, "compile_layers": args.compile_layers,

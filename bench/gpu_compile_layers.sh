@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 source bench/device_env.sh
 out=${OUT:-/tmp/compile_layers_out}; mkdir -p "$out"
 gpus=$(nvidia-smi -L | wc -l)
-b="--config ep --fused_adamw --reuse_casts --compile_loss --compile_dense --layers ${LAYERS:-4} --seq 4096 --micro_batch 2 --grad_accum 2 --warmup 3 --steps 6"
+b="--config ep --fused_adamw --compile_loss --compile_dense --layers ${LAYERS:-4} --seq 4096 --micro_batch 2 --grad_accum 2 --warmup 3 --steps 6"
 for f in "" "--compile_layers" "" "--compile_layers"; do
   echo "== $(date +%T) ours $f"
   timeout 150 torchrun --standalone --nproc_per_node="$gpus" bench/bench_moe.py $b $f --out "$out/compile_layers.jsonl" 2>&1 | grep -E "Error:" | tail -2

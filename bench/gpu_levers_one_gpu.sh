@@ -11,7 +11,7 @@ source bench/device_env.sh
 out=${OUT:-/tmp/levers_out}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 results=$out/levers_one_gpu.jsonl
 base=${BASE:?"BASE=dir: a copy of the earlier commit (git archive C | tar -x -C dir)"}
-run="torchrun --standalone --nproc_per_node=1 bench/bench_moe.py --config ep --fused_adamw --reuse_casts --compile_loss --compile_dense"
+run="torchrun --standalone --nproc_per_node=1 bench/bench_moe.py --config ep --fused_adamw --compile_loss --compile_dense"
 run="$run --layers ${LAYERS:-4} --seq 4096 --micro_batch 2 --grad_accum 2 --warmup 3 --steps 6"
 echo "== $(date +%T) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); torch $(python3 -c 'import torch; print(torch.__version__)')"
 for round in 1 2; do

@@ -25,10 +25,10 @@ if [ "${TABLE:-0}" = 1 ]; then
   t="--compile_dense --micro_batch 2 --grad_accum 2 --out $table"
   run $bench --config eager $t 2>&1 | keep
   run $bench --config grouped_mm $t 2>&1 | keep
-  run $bench --config ep --reuse_casts --compile_loss $t --profile $out/profile_ep_h200x${gpus}_L${layers}.txt 2>&1 | keep
-  run $bench --config ep --reuse_casts --compile_loss --compile_dense --micro_batch 4 --grad_accum 1 --out $table 2>&1 | keep
+  run $bench --config ep --compile_loss $t --profile $out/profile_ep_h200x${gpus}_L${layers}.txt 2>&1 | keep
+  run $bench --config ep --compile_loss --compile_dense --micro_batch 4 --grad_accum 1 --out $table 2>&1 | keep
   if python3 -c "import megablocks" 2>/dev/null; then
-    run $bench --config megablocks --reuse_casts --compile_loss $t 2>&1 | keep
+    run $bench --config megablocks --compile_loss $t 2>&1 | keep
   fi
 fi
 if [ "${LEVERS:-0}" = 1 ]; then
@@ -36,9 +36,9 @@ if [ "${LEVERS:-0}" = 1 ]; then
     (cd "$BASE" && run torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py $common --config ep --out $levers 2>&1 | keep)
   fi
   run $bench --config ep --no_compile --out $levers 2>&1 | keep
-  run $bench --config ep --no_compile --reuse_casts --out $levers 2>&1 | keep
-  run $bench --config ep --reuse_casts --out $levers --profile $out/profile_levers.txt 2>&1 | keep
-  run $bench --config ep --reuse_casts --micro_batch 2 --grad_accum 2 --out $levers 2>&1 | keep
+  run $bench --config ep --no_compile --out $levers 2>&1 | keep
+  run $bench --config ep --out $levers --profile $out/profile_levers.txt 2>&1 | keep
+  run $bench --config ep --micro_batch 2 --grad_accum 2 --out $levers 2>&1 | keep
 fi
 if [ "${PARITY:-0}" = 1 ]; then
   run bash bench/gpu_parity.sh /tmp/parity 2>&1 | tail -n 12

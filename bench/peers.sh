@@ -20,7 +20,7 @@ layers=${LAYERS:-8}; skew=${SKEW:-2.38}; ckpt=${CKPT:-/tmp/mixtral-L$layers}
 gpus=$(nvidia-smi -L | wc -l)
 results=$out/peers.jsonl
 batch="--seq 4096 --micro_batch 2 --grad_accum 2 --warmup 3 --steps 6"
-ours="torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py --config ep --fused_adamw --reuse_casts --compile_loss --compile_dense"
+ours="torchrun --standalone --nproc_per_node=$gpus bench/bench_moe.py --config ep --fused_adamw --compile_loss --compile_dense"
 peer="torchrun --standalone --nproc_per_node=$gpus bench/bench_peer_hf.py --dir $ckpt --precision fp32_master"
 keep() { grep -E '^\{|Error|error' | cut -c1-300; }
 # append_as NAME FILE: FILE's records into $results under config NAME, then FILE removed

@@ -29,7 +29,6 @@ _MODULE_OF = {
     "ExpertParallelExperts": "moe_layer",
     "ExpertParallelMoE": "moe_layer",
     "TopKRouter": "moe_layer",
-    "reuse_expert_casts": "moe_layer",
     "expert_parameters": "shard",
     "load_model": "shard",
     "moe_blocks": "shard",

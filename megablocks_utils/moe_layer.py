@@ -13,7 +13,6 @@ over dp and scales it the way FSDP scales dense gradients (``grads.py``).
 """
 
 import functools
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -257,25 +256,23 @@ def _divide_cast(grad: torch.Tensor, divisor: float, dtype: torch.dtype) -> torc
 
 
 class _CastDivided(torch.autograd.Function):
-    """``weight.to(dtype)`` (or ``low``, that cast made earlier); the backward casts the gradient back to the
+    """``weight.to(dtype)``; the backward casts the gradient back to the
     weight's dtype divided by ``divisor``, in one pass: what FSDP's reduce would do (fp32, then the weight's
     dtype) for experts it leaves out (dp = 1: nothing summed, only the division by world size). ``fuse``: one
     compiled kernel (CUDA, power-of-two divisor: multiplying by its exact reciprocal, as the compiler may, then
     changes no bit); else eager ops."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, low: torch.Tensor | None, dtype: torch.dtype, divisor: float, fuse: bool) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, dtype: torch.dtype, divisor: float, fuse: bool) -> torch.Tensor:
         ctx.weight_dtype, ctx.divisor, ctx.fuse = weight.dtype, divisor, fuse
-        if low is not None:
-            return low.view_as(low)
         return weight.to(dtype) if weight.dtype != dtype else weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.divisor == 1:
-            return grad.to(ctx.weight_dtype), None, None, None, None
+            return grad.to(ctx.weight_dtype), None, None, None
         divide = _fused(_divide_cast) if ctx.fuse else _divide_cast
-        return divide(grad, ctx.divisor, ctx.weight_dtype), None, None, None, None
+        return divide(grad, ctx.divisor, ctx.weight_dtype), None, None, None
 
 
 class ExpertParallelExperts(nn.Module):
@@ -321,7 +318,6 @@ class ExpertParallelExperts(nn.Module):
             self.act_fn = ACT2FN[act_fn]
             self.clamped_swiglu = None
         self.force_loop = False  # tests set this to check grouped GEMM against the reference loop
-        self.cast_cache = None  # {dtype: expert_tensors() cast} while inside ``reuse_expert_casts``
         # Experts FSDP leaves out (parallelize: dp = 1): their gradients divided by world size in the cast's backward.
         self.grad_divisor = 1
         self.is_silu = act_fn == "silu" and not interleaved
@@ -356,20 +352,13 @@ class ExpertParallelExperts(nn.Module):
 
     @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
     def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``expert_tensors()``' local blocks in ``dtype`` (from the cast cache inside ``reuse_expert_casts``), their
-        gradients divided by ``grad_divisor`` on the way back."""
+        """``expert_tensors()``' local blocks in ``dtype``, their gradients divided by ``grad_divisor`` on the way back."""
         local = [w.to_local() if isinstance(w, DTensor) else w for w in self.expert_tensors()]
         if local[0].dtype == dtype and self.grad_divisor == 1:
             return tuple(local)
-        lows = [None] * len(local)
-        if self.cast_cache is not None and local[0].dtype != dtype:
-            if dtype not in self.cast_cache:
-                with torch.no_grad():
-                    self.cast_cache[dtype] = tuple(w.to(dtype) for w in local)
-            lows = self.cast_cache[dtype]
         divisor = self.grad_divisor
         fuse = self.fuse_elementwise(local[0]) and divisor & (divisor - 1) == 0
-        return tuple(_CastDivided.apply(w, low, dtype, float(divisor), fuse) for w, low in zip(local, lows))
+        return tuple(_CastDivided.apply(w, dtype, float(divisor), fuse) for w in local)
 
     def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.interleaved:
@@ -584,22 +573,3 @@ class ExpertParallelMoE(nn.Module):
         if self.returns_scores:
             return out.reshape(shape), top_w
         return out.reshape(shape)
-
-
-@contextmanager
-def reuse_expert_casts(model: nn.Module):
-    """Cast each local expert weight to the compute dtype once inside this block, not at every forward.
-
-    Meant around one optimizer step's micro-steps: without it, every micro-step's forward (and its
-    recomputation under activation checkpointing) casts the fp32 expert weights to bf16 again. The
-    weights must not change inside the block; the copies are dropped when it ends. Costs one bf16
-    copy of this rank's expert weights for the duration.
-    """
-    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-    for m in experts:
-        m.cast_cache = {}
-    try:
-        yield
-    finally:
-        for m in experts:
-            m.cast_cache = None
