@@ -7,7 +7,7 @@
 # Writes fsdp1.jsonl, fsdp2.jsonl, resumed.jsonl, fsdp1_bf16.jsonl, fsdp2_bf16.jsonl and summary.json (the fp32
 # fsdp1 run's) to OUT_DIR. A run that fails is reported and the others still run.
 #
-# Why 2e-3 for bf16 (half the bf16 unit roundoff 2^-8 = 3.9e-3; the bound BENCHMARKS.md set for train_fsdp2's
+# Why 2e-3 for bf16 (half the bf16 unit roundoff 2^-8 = 3.9e-3; the bound bench/reports/parity_throughput_megablocks_h100-h200_2026-11-20-21.md set for train_fsdp2's
 # bf16 ep2-vs-ep1 parity, where 20 steps measured 5.3e-4 and 1.0e-3). Both runs compute in bf16 from fp32
 # master weights, reduce gradients in fp32 and step fused AdamW in fp32 on the same samples, but round at
 # different points, so they cannot be bit-identical:

@@ -15,7 +15,7 @@
    fp32 (TF32 off), learned and collapsed routing: bound 1e-4.
    bf16 (the model cast to bf16): two bf16 implementations cannot agree bit for bit (near-tie routing
    flips, other GEMM kernels), so the bound is distance from the fp32 truth: loss within 2e-3 relative
-   (half the bf16 unit roundoff, as in BENCHMARKS.md) and a mean relative logits error at most 1.5x
+   (half the bf16 unit roundoff, as in bench/reports/parity_throughput_megablocks_h100-h200_2026-11-20-21.md) and a mean relative logits error at most 1.5x
    that of transformers' own bf16 model. Gradient errors are printed for scale.
 Prints one line per check; exits non-zero if any check fails.
 """

@@ -1,5 +1,5 @@
 """A torchtitan 0.3.0 config for the Mixtral-width benchmark, for when the GPU image has torch >= 2.14 (NOT RUN:
-torchtitan 0.3.0 does not import on torch 2.11; see BENCHMARKS.md, "Peers (issue #17)").
+torchtitan 0.3.0 does not import on torch 2.11; see bench/reports/peers_memory_models_h100-h200_2026-11-22-23.md, "Peers (issue #17)").
 
 It trains a Mixtral checkpoint's shape through torchtitan's transformers backend, which replaces the model's MoE
 blocks with torchtitan's own (router, grouped experts, all-to-all EP); attention, norms and embeddings stay

@@ -5,7 +5,7 @@ per layer that sizes the all-to-all) and already compiles its own element-wise s
 layer would break its graph there anyway. Attention and RMSNorm have static shapes and are many small
 element-wise kernels in eager mode (RMSNorm in fp32, rotary embedding, transposes); compiled, each
 becomes a few fused kernels. At Mixtral width on 4x H200 that made a training step 7.7% faster and
-used 2 GiB less memory (BENCHMARKS.md).
+used 2 GiB less memory (bench/reports/parity_throughput_megablocks_h100-h200_2026-11-20-21.md).
 
 Call it before ``fully_shard`` (FSDP2 hooks sit on the decoder layer, outside the compiled parts).
 """

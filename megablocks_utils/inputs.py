@@ -118,8 +118,8 @@ def check_dp_replicate(dp_replicate: int, dp: int, ep: int) -> int:
     return dp_replicate
 
 
-# shard_experts="auto" inside one node. Measured on 4 x H200 at 8 Mixtral layers (BENCHMARKS.md): ep = 2,
-# dp = 2 with experts sharded over dp took 0.927 s per step at 68 GiB, replicated 1.041 s at 119 GiB
+# shard_experts="auto" inside one node. Measured on 4 x H200 at 8 Mixtral layers
+# (bench/reports/peers_memory_models_h100-h200_2026-11-22-23.md): ep = 2, dp = 2 with experts sharded over dp took 0.927 s per step at 68 GiB, replicated 1.041 s at 119 GiB
 # (the replicas' all-reduce of every expert gradient costs more than the per-layer all-gathers).
 SHARD_EXPERTS_IN_ONE_NODE = True
 

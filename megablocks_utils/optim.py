@@ -125,7 +125,8 @@ def build_optimizer(
             f"build the model with dtype=param_dtype({optim!r})"
         )
     if optim == "adamw_torch":
-        # fused on GPU: 7-8% faster steps at Mixtral width (BENCHMARKS.md); the default foreach on CPU.
+        # fused on GPU: 7-8% faster steps at Mixtral width; the default foreach on CPU
+        # (bench/reports/parity_throughput_megablocks_h100-h200_2026-11-20-21.md).
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=True if device_type == "cuda" else None)
     ao = _torchao_optim()

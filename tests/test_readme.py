@@ -9,7 +9,8 @@ import re
 from conftest import ROOT
 
 DOCS = ["README.md", "BENCHMARKS.md", "tests/README.md"] + [
-    os.path.join("docs", name) for name in sorted(os.listdir(os.path.join(ROOT, "docs"))) if name.endswith(".md")
+    os.path.join(folder, name) for folder in ("docs", os.path.join("bench", "reports"))
+    for name in sorted(os.listdir(os.path.join(ROOT, folder))) if name.endswith(".md")
 ]
 
 
@@ -119,3 +120,9 @@ def test_no_pointer_to_a_readme_section_that_moved():
                     if "README" in line and any(section in line for section in moved):
                         stale.append(f"{folder}/{name}:{number}: {line.strip()}")
     assert not stale, "\n".join(stale)
+
+
+def test_benchmarks_is_a_current_page():
+    """BENCHMARKS.md keeps today's numbers with their commands (at most 250 lines); dated reports live in bench/reports/."""
+    assert len(read("BENCHMARKS.md").splitlines()) <= 250
+    assert os.listdir(os.path.join(ROOT, "bench", "reports"))
