@@ -150,6 +150,22 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The embedded model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def samples(tokenizer):
+    """data.json's records tokenized (max_length 1024: none truncated), unpacked."""
+    from megablocks_utils.data import build_dataset
+
+    return build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 1024)[0]
+
+
 def exit_codes(stderr: str) -> dict[int, int]:
     """The exit codes in torchrun's failure report (accelerate launch prints the same one), parsed:
     {global rank: exit code} for every rank it lists. It lists only ranks that failed or that it stopped

@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT, tiny_moe_config
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from megablocks_utils import attention
 from megablocks_utils.attention import AttentionChoiceError, choose_attention, varlen_inputs
-from megablocks_utils.data import GlobalBatches, build_dataset, collate, load_training_data
+from megablocks_utils.data import GlobalBatches, collate, load_training_data
 from megablocks_utils.loss import IGNORE_INDEX
 from megablocks_utils.packing import pack_dataset
+from test_packing import per_token_losses
 
 
 @pytest.mark.parametrize("model_type, device, masked, expected", [
@@ -62,14 +63,6 @@ def test_varlen_inputs_mark_every_document_of_every_row():
     assert inputs["max_length_q"] == 6
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def samples(tokenizer):
-    return build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 1024)[0]
 
 
 @pytest.mark.parametrize("packing", [True, False])
@@ -99,13 +92,6 @@ def _documents_alone(query, key, value, cu_seqlens, max_len, scale, window):
         v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
         out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
     return out
-
-
-def per_token_losses(model, batch):
-    logits, labels = model(**batch["model_inputs"]).logits[:, :-1].float(), batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="none").view_as(labels)
-    return loss, labels != IGNORE_INDEX
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex_attention", "varlen"])
@@ -161,3 +147,18 @@ def test_varlen_check_can_fail(tiny_model_dir, samples, tokenizer, monkeypatch):
     batch["model_inputs"]["cu_seq_lens_q"] = torch.tensor([0, 1024], dtype=torch.int32)
     wrong, _ = per_token_losses(model, batch)
     assert not torch.allclose(right[mask], wrong[mask], rtol=1e-3)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_only_rows_with_padding_or_several_documents_need_a_mask(tokenizer, tmp_path, packing):
+    """What auto's sdpa-or-not choice reads: records longer than max_length fill every row with one document
+    (nothing to mask); one short record among them does not."""
+    import json
+
+    long_text = " ".join(r["output"] for r in json.load(open(os.path.join(ROOT, "data.json"))))
+    full = [{"text": long_text[i * 50:]} for i in range(6)]
+    for records, expected in ((full, False), (full + [{"text": "short"}], True)):
+        path = tmp_path / "text.json"
+        path.write_text(json.dumps(records))
+        data = load_training_data(str(path), tokenizer, 64, packing=packing, seed=0, eval_split=0.0)
+        assert data.needs_mask is expected

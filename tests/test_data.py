@@ -6,7 +6,6 @@ import os
 
 import pytest
 from conftest import ROOT
-from transformers import AutoTokenizer
 
 from megablocks_utils.data import (
     PROMPT_NO_INPUT,
@@ -23,11 +22,6 @@ from megablocks_utils.data import (
     tokenize_text,
 )
 from megablocks_utils.loss import IGNORE_INDEX
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.mark.parametrize("record", [

@@ -5,21 +5,11 @@ import os
 import pytest
 import torch
 from conftest import ROOT
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from megablocks_utils.data import build_dataset, collate
 from megablocks_utils.loss import IGNORE_INDEX
 from megablocks_utils.packing import fill, pack_dataset, pack_rows
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def samples(tokenizer):
-    return build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 1024)[0]
 
 
 def test_rows_hold_every_sample_once_and_fit(samples):
@@ -42,8 +32,8 @@ def test_alpaca_rows_are_as_few_as_possible(samples, max_length):
 
 
 def per_token_losses(model, batch):
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                use_cache=False)  # with a cache transformers ignores position_ids for the document mask
+    """Each position's next-token loss and whether it is a label, the model called as the scripts call it."""
+    out = model(**batch["model_inputs"])  # no cache: with one transformers ignores position_ids for the document mask
     logits, labels = out.logits[:, :-1].float(), batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                              ignore_index=IGNORE_INDEX, reduction="none").view_as(labels)
@@ -89,7 +79,7 @@ def test_without_position_ids_documents_would_mix(tiny_model_dir, samples, token
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     packed = pack_dataset(samples.select([0, 5]), 2048, seed=0)
     batch = collate([packed[0]], tokenizer.pad_token_id, "cpu")
-    mixed = dict(batch, position_ids=None)
+    mixed = dict(batch, model_inputs={**batch["model_inputs"], "position_ids": None})
     a, mask = per_token_losses(model, batch)
     b, _ = per_token_losses(model, mixed)
     assert not torch.allclose(a[mask], b[mask], rtol=1e-3)
