@@ -162,3 +162,8 @@ def test_only_rows_with_padding_or_several_documents_need_a_mask(tokenizer, tmp_
         path.write_text(json.dumps(records))
         data = load_training_data(str(path), tokenizer, 64, packing=packing, seed=0, eval_split=0.0)
         assert data.needs_mask is expected
+
+
+def test_a_row_longer_than_the_fixed_length_is_refused(samples, tokenizer):
+    with pytest.raises(ValueError, match="does not fit the collator's length 8"):
+        collate([samples[0]], tokenizer.pad_token_id, "cpu", 8)
