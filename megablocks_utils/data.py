@@ -338,17 +338,12 @@ class TrainingData:
     def needs_mask(self) -> bool:
         """Whether any row, train or eval, holds more than one document or is shorter than max_length (padded).
 
-        Read from the Arrow columns' list lengths (the row lengths, and each packed row's member samples), not
-        by walking the tokens in Python: a large dataset answers in milliseconds."""
-        import pyarrow.compute as pc
-
+        Row by row, stopping at the first that does: real data answers at its first row, without reading whole
+        columns into Python; only rows that are all full single documents (synthetic data) are read to the end."""
         for rows in (self.train, self.eval):
-            if rows is None:
-                continue
-            if pc.min(pc.list_value_length(rows.data.column("input_ids"))).as_py() < self.max_length:
-                return True
-            if self.packing and pc.max(pc.list_value_length(rows.data.column("samples"))).as_py() > 1:
-                return True
+            for row in rows if rows is not None else ():
+                if len(row["input_ids"]) < self.max_length or (self.packing and len(row["samples"]) > 1):
+                    return True
         return False
 
     def describe(self, per_step: int) -> str:
