@@ -65,9 +65,7 @@ trainer_defaults = dict(
 # Only what the inputs' checks need before they run (the Trainer, accelerate's FSDP and the model come after).
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
-from megablocks_utils.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
-from megablocks_utils.data import read_records  # noqa: E402
-from megablocks_utils.inputs import (  # noqa: E402
+from megablocks_utils.config.inputs import (  # noqa: E402
     InputError,
     check_ep_size,
     check_output_dir,
@@ -75,11 +73,22 @@ from megablocks_utils.inputs import (  # noqa: E402
     fsdp_requested,
     stop_together,
 )
-from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.settings import check_values, describe, help_comments, parse_settings  # noqa: E402
-from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
-from megablocks_utils.memory import load_config  # noqa: E402
-from megablocks_utils.tiny_model import TINY_CONFIG, default_model_pending, ensure_default_model  # noqa: E402
+from megablocks_utils.config.settings import (  # noqa: E402
+    check_values,
+    describe,
+    help_comments,
+    parse_settings,
+)
+from megablocks_utils.data.records import read_records
+from megablocks_utils.model.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files  # noqa: E402
+from megablocks_utils.model.tiny import (  # noqa: E402
+    TINY_CONFIG,
+    default_model_pending,
+    ensure_default_model,
+)
+from megablocks_utils.tools.memory import load_config  # noqa: E402
+from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 training_fields = dataclasses.fields(TrainingArguments)
@@ -211,18 +220,19 @@ from megablocks_utils import (  # noqa: E402
     spec_for,
     sync_expert_grads,
 )
-from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
-from megablocks_utils.bookkeeping import StopSignal, prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
-from megablocks_utils.checkpoint import (  # noqa: E402
-    DISK_FULL_IN_SAVE_ENV,
-    SAVE_ERRORS,
-    CheckpointError,
-    copy_model_files,
-    stop_if_save_failed,
+from megablocks_utils.data.batches import (
+    GlobalBatches,
+    RankBatchSampler,
+    collate,
+    load_training_data,
 )
-from megablocks_utils.data import GlobalBatches, RankBatchSampler, collate, load_training_data  # noqa: E402
-from megablocks_utils.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.fsdp1 import (  # noqa: E402
+from megablocks_utils.model.architectures import decoder_layer_class_name  # noqa: E402
+from megablocks_utils.moe.balance import (  # noqa: E402
+    add_routing_bias,
+    routing_bias_exported,
+    update_routing_bias,
+)
+from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
     fsdp_on_cpu,
     grad_shard_group,
@@ -230,10 +240,30 @@ from megablocks_utils.fsdp1 import (  # noqa: E402
     sharding_facts,
     weight_checksums,
 )
-from megablocks_utils.balance import add_routing_bias, routing_bias_exported, update_routing_bias  # noqa: E402
-from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
-from megablocks_utils.models import decoder_layer_class_name  # noqa: E402
-from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
+from megablocks_utils.train.checkpoint import (  # noqa: E402
+    DISK_FULL_IN_SAVE_ENV,
+    SAVE_ERRORS,
+    CheckpointError,
+    copy_model_files,
+    stop_if_save_failed,
+)
+from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.train.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.train.nonfinite import (  # noqa: E402
+    NonFiniteStep,
+    NonFiniteSteps,
+    inject_nan_grad,
+    inject_nan_loss,
+    where_to_continue,
+)
+from megablocks_utils.train.output_dir import (
+    checkpoints_kept,
+    disk_space_warning,
+    prepare_output_dir,
+    stop_if_finished,
+)
+from megablocks_utils.train.run_log import MetricsLog, StepSums, summary_line
+from megablocks_utils.train.stop_signal import StopSignal
 
 # ----------------------------------------------------------------------------- process group
 device = args.device  # sets up accelerate's process state and the process group
@@ -258,8 +288,8 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
-# The fit check (megablocks_utils/memory.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.memory import estimate_memory, fit_error  # noqa: E402
+# The fit check (megablocks_utils/tools/memory.py), before any weight is read: experts replicated over dp here.
+from megablocks_utils.tools.memory import estimate_memory, fit_error  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
@@ -282,7 +312,7 @@ with stop_together():
     data = load_training_data(data_path, tokenizer, max_length, packing=packing, seed=args.seed, eval_data_path=eval_data_path,
                               eval_split=eval_split, source=model_name_or_path)
     dataset, eval_set = data.train, data.eval
-    # The kernel for these rows (megablocks_utils/attention.py): auto picks by model, device and whether rows need a mask.
+    # The kernel for these rows (megablocks_utils/model/attention.py): auto picks by model, device and whether rows need a mask.
     attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask)
     batches = GlobalBatches(dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank,
                             args.seed, unit="packed rows" if packing else "samples")
@@ -299,7 +329,7 @@ with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend, attn_implementation=attention)
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
-if load_balance_coeff > 0:  # before Trainer wraps the model and loads a checkpoint (megablocks_utils/balance.py)
+if load_balance_coeff > 0:  # before Trainer wraps the model and loads a checkpoint (megablocks_utils/moe/balance.py)
     add_routing_bias(model)
 experts = expert_parameters(model)
 dense_numel = sum(p.numel() for p in model.parameters() if not any(p is e for e in experts))
@@ -350,7 +380,7 @@ class StopOnSigterm(TrainerCallback):
 
 
 class ModelFilesInCheckpoints(TrainerCallback):
-    """Config and tokenizer into each checkpoint-N, so `python -m megablocks_utils.export` needs only it."""
+    """Config and tokenizer into each checkpoint-N, so `python -m megablocks_utils.tools.export` needs only it."""
 
     def on_save(self, args, state, control, **kwargs):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -415,7 +445,7 @@ class MoETrainer(Trainer):
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint-N; when a write fails on any rank (a full disk above all), every rank stops
-        with one message and the partial checkpoint-N is removed (megablocks_utils/checkpoint.py)."""
+        with one message and the partial checkpoint-N is removed (megablocks_utils/train/checkpoint.py)."""
         path = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
         error = None
         try:
@@ -464,7 +494,7 @@ class MoETrainer(Trainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         """Trainer's schedule (--eval_strategy steps --eval_steps N, and the last step) with the suite's eval
-        loss (megablocks_utils/evaluate.py): every rank runs the same number of forwards through the expert
+        loss (megablocks_utils/train/evaluate.py): every rank runs the same number of forwards through the expert
         shards, and the loss is the mean over the eval set's label tokens, as in train_fsdp2.py."""
         if eval_set is None:
             return {}
@@ -499,7 +529,7 @@ if not trainer.is_fsdp_enabled or plugin is None or plugin.fsdp_version != 1:
 if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
     fail("accelerate.yaml must set fsdp_state_dict_type: SHARDED_STATE_DICT (a full state dict would gather every expert on rank 0)")
 plugin.ignored_modules = [block.experts for block in moe_blocks(model)]
-# Wrap the model's own decoder-layer class (any architecture of megablocks_utils/models.py), not the
+# Wrap the model's own decoder-layer class (any architecture of megablocks_utils/model/architectures.py), not the
 # one accelerate.yaml names.
 plugin.transformer_cls_names_to_wrap = [decoder_layer_class_name(model)]
 if args.bf16:  # bf16 compute with fp32 gradient reduction and fp32 buffers (rotary frequencies), as train_fsdp2.py

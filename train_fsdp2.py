@@ -30,7 +30,7 @@ overwrite_output_dir = False  # refuse to write over an earlier run's results un
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
-optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/optim.py)
+optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 per_device_train_batch_size = 4  # rows (packed) or samples per rank per micro-step
@@ -68,9 +68,7 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 # -----------------------------------------------------------------------------
 
 # Only light modules before the inputs are checked (transformers and the model come after).
-from megablocks_utils.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
-from megablocks_utils.data import read_records  # noqa: E402
-from megablocks_utils.inputs import (  # noqa: E402
+from megablocks_utils.config.inputs import (  # noqa: E402
     InputError,
     check_dp_replicate,
     check_ep_size,
@@ -79,12 +77,26 @@ from megablocks_utils.inputs import (  # noqa: E402
     resolve_shard_experts,
     stop_together,
 )
-from megablocks_utils.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.memory import check_checkpointed_layers, checkpointing_hint, estimate_memory, fit_error, load_config  # noqa: E402
-from megablocks_utils.checkpointing import parse_activation_checkpointing  # noqa: E402
-from megablocks_utils.settings import parse_settings  # noqa: E402
-from megablocks_utils.tensorboard_writer import require_tensorboard  # noqa: E402
-from megablocks_utils.tiny_model import TINY_CONFIG, default_model_pending, ensure_default_model  # noqa: E402
+from megablocks_utils.config.settings import parse_settings  # noqa: E402
+from megablocks_utils.data.records import read_records
+from megablocks_utils.model.attention import choose_attention  # noqa: E402
+from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files  # noqa: E402
+from megablocks_utils.model.tiny import (  # noqa: E402
+    TINY_CONFIG,
+    default_model_pending,
+    ensure_default_model,
+)
+from megablocks_utils.parallel.activation_checkpointing import (
+    parse_activation_checkpointing,  # noqa: E402
+)
+from megablocks_utils.tools.memory import (  # noqa: E402
+    check_checkpointed_layers,
+    checkpointing_hint,
+    estimate_memory,
+    fit_error,
+    load_config,
+)
+from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
@@ -121,10 +133,28 @@ except InputError as e:
 
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
-from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, expert_parameters, load_model, router_stats, spec_for  # noqa: E402
-from megablocks_utils.bookkeeping import MetricsLog, StepSums, checkpoints_kept, disk_space_warning  # noqa: E402
-from megablocks_utils.bookkeeping import StopSignal, prepare_output_dir, stop_if_finished, summary_line  # noqa: E402
-from megablocks_utils.checkpoint import (  # noqa: E402
+from megablocks_utils import (  # noqa: E402
+    build_mesh,
+    causal_lm_loss_sum,
+    clip_grad_norm_,
+    expert_parameters,
+    load_model,
+    router_stats,
+    spec_for,
+)
+from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
+from megablocks_utils.moe.balance import (  # noqa: E402
+    add_routing_bias,
+    routing_bias_exported,
+    update_routing_bias,
+)
+from megablocks_utils.parallel.parallelize import (  # noqa: E402
+    fsdp_left_out,
+    parallelize,
+    set_gradient_sync,
+)
+from megablocks_utils.tools.export import export_hf  # noqa: E402
+from megablocks_utils.train.checkpoint import (  # noqa: E402
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
@@ -132,15 +162,30 @@ from megablocks_utils.checkpoint import (  # noqa: E402
     resolve_resume,
     save_checkpoint,
 )
-from megablocks_utils.data import GlobalBatches, collate, load_training_data  # noqa: E402
-from megablocks_utils.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.balance import add_routing_bias, routing_bias_exported, update_routing_bias  # noqa: E402
-from megablocks_utils.export import export_hf  # noqa: E402
-from megablocks_utils.metrics import active_params, write_summary  # noqa: E402
-from megablocks_utils.nonfinite import NonFiniteStep, NonFiniteSteps, inject_nan_grad, inject_nan_loss, where_to_continue  # noqa: E402
-from megablocks_utils.optim import build_optimizer, param_dtype, parameter_groups, state_bytes  # noqa: E402
-from megablocks_utils.parallelize import fsdp_left_out, parallelize, set_gradient_sync  # noqa: E402
-from megablocks_utils.tensorboard_writer import TensorBoardWriter  # noqa: E402
+from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.train.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.train.nonfinite import (  # noqa: E402
+    NonFiniteStep,
+    NonFiniteSteps,
+    inject_nan_grad,
+    inject_nan_loss,
+    where_to_continue,
+)
+from megablocks_utils.train.optim import (  # noqa: E402
+    build_optimizer,
+    param_dtype,
+    parameter_groups,
+    state_bytes,
+)
+from megablocks_utils.train.output_dir import (
+    checkpoints_kept,
+    disk_space_warning,
+    prepare_output_dir,
+    stop_if_finished,
+)
+from megablocks_utils.train.run_log import MetricsLog, StepSums, summary_line
+from megablocks_utils.train.stop_signal import StopSignal
+from megablocks_utils.train.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
 use_cuda = torch.cuda.is_available()
@@ -203,7 +248,7 @@ with stop_together():
     data = load_training_data(data_path, tokenizer, max_length, packing=packing, seed=seed, eval_data_path=eval_data_path,
                               eval_split=eval_split, source=model_name_or_path)
     dataset, eval_set = data.train, data.eval
-    # The kernel for these rows (megablocks_utils/attention.py): auto picks by model, device and whether rows need a mask.
+    # The kernel for these rows (megablocks_utils/model/attention.py): auto picks by model, device and whether rows need a mask.
     attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
@@ -212,7 +257,7 @@ stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a re
 space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
 if master and space:
     print(space, flush=True)
-# The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
+# The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/parallel/mesh.py).
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():
@@ -220,7 +265,7 @@ with stop_together():
                              attn_implementation=attention)
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
-if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bias (megablocks_utils/balance.py)
+if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bias (megablocks_utils/moe/balance.py)
     add_routing_bias(model)
 if master:
     print(
@@ -231,7 +276,7 @@ if master:
 
 # ----------------------------------------------------------------------------- parallelize
 # EP was applied while loading; then activation checkpointing, compile and FSDP2 (experts over dp,
-# dense weights over all ranks), in that order (megablocks_utils/parallelize.py).
+# dense weights over all ranks), in that order (megablocks_utils/parallel/parallelize.py).
 compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
                        activation_checkpointing_layers=activation_checkpointing_layers, compile_dense=compile_dense, device=device)
 if master and compiled:

@@ -54,10 +54,10 @@ CONFIG_NAMES = {"train_fsdp1.py": "fsdp1_ep", "train_fsdp2.py": "fsdp2_ep_script
 
 
 def write_checkpoint(directory: str, layers: int, hidden: int, intermediate: int) -> None:
+    from bench_loading import write
     from transformers import AutoTokenizer
 
-    from bench_loading import write
-    from megablocks_utils.tiny_model import DEFAULT_NAME, make_tiny_mixtral
+    from megablocks_utils.model.tiny import DEFAULT_NAME, make_tiny_mixtral
 
     tiny = os.path.join(ROOT, DEFAULT_NAME)
     if not os.path.isdir(tiny):
@@ -113,7 +113,11 @@ def synthetic_alpaca(tokenizer, seq: int, count: int, source_path: str) -> list[
     """``count`` alpaca records whose tokenized sample (<bos> prompt response <eos>) is longer than ``seq``
     in its response, while the prompt alone is far shorter: truncated to ``seq`` each is exactly ``seq``
     tokens, nearly all of them labels. The text is data.json's, rotated so the samples differ."""
-    from megablocks_utils.data import format_prompt, read_alpaca, tokenize_record
+    from megablocks_utils.data.records import (
+        format_prompt,
+        read_alpaca,
+        tokenize_record,
+    )
 
     corpus = " ".join(" ".join(filter(None, (r["instruction"], r.get("input", ""), r["output"]))) for r in read_alpaca(source_path))
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -147,7 +151,6 @@ def free_port() -> int:
 def probe() -> dict:
     """Device, software and the dense bf16 GEMM rate now (bench_moe.dense_gemm_tflops on GPU 0); run in its own process."""
     import torch
-
     from bench_moe import dense_gemm_tflops
 
     cuda = torch.cuda.is_available()
@@ -204,9 +207,8 @@ def wait_for_launch(proc, args, metrics_path: str):
 
 
 def run(args) -> None:
-    from transformers import AutoConfig, AutoTokenizer
-
     from bench_moe import PEAK_TFLOPS, megatron_flops_per_token
+    from transformers import AutoConfig, AutoTokenizer
 
     if not checkpoint_complete(args.dir, args.layers, args.hidden, args.intermediate):
         write_checkpoint(args.dir, args.layers, args.hidden, args.intermediate)

@@ -36,12 +36,11 @@ def drop_page_cache() -> bool:
 
 def write(directory: str, layers: int, hidden: int, intermediate: int, **config_overrides) -> None:
     """The checkpoint (safetensors, index, config.json last); ``config_overrides`` go to ``MixtralConfig``."""
+    from safetensors.torch import save_file
     from transformers import MixtralConfig
 
-    from safetensors.torch import save_file
-
-    from megablocks_utils.export import expert_hub_names, write_index
-    from megablocks_utils.models import MOE_SPECS
+    from megablocks_utils.model.architectures import MOE_SPECS
+    from megablocks_utils.tools.export import expert_hub_names, write_index
 
     spec = MOE_SPECS["mixtral"]
     config = MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,

@@ -102,14 +102,22 @@ def main():
     p.add_argument("--profile", default="", help="write a torch.profiler table of 2 measured steps to this file (rank 0)")
     args = p.parse_args()
 
+    from contextlib import nullcontext
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from contextlib import nullcontext
-
-    from megablocks_utils import build_mesh, causal_lm_loss_sum, compile_dense_parts, expert_parameters, moe_blocks, router_stats, shard_moe
-    from megablocks_utils.grads import clip_grad_norm_
-    from megablocks_utils.parallelize import parallelize, set_gradient_sync
+    from megablocks_utils import (
+        build_mesh,
+        causal_lm_loss_sum,
+        compile_dense_parts,
+        expert_parameters,
+        moe_blocks,
+        router_stats,
+        shard_moe,
+    )
+    from megablocks_utils.parallel.grads import clip_grad_norm_
+    from megablocks_utils.parallel.parallelize import parallelize, set_gradient_sync
 
     cuda = torch.cuda.is_available()
     if cuda:

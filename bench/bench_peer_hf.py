@@ -20,7 +20,7 @@ AdamW state, bf16 gradient reduction, no stochastic rounding); ``fp32_master`` l
 Step time: ``torch.cuda.synchronize`` before the step's first forward and after ``optimizer.step``; the median
 over the steps after ``--warmup``. TFLOPS and MFU use bench_moe.py's Megatron formula and peak (989), as
 bench_fsdp1.py does for train_fsdp2.py's runs; the record also has the training scripts' own formula
-(megablocks_utils.metrics). Peak memory is the largest over ranks. Rank 0 appends one JSON record with
+(megablocks_utils.train.metrics). Peak memory is the largest over ranks. Rank 0 appends one JSON record with
 ``config: hf_native_fsdp2_ep`` to ``--out``.
 """
 
@@ -97,11 +97,11 @@ def main() -> None:
     p.add_argument("--out", default="bench/results.jsonl")
     args = p.parse_args()
 
+    from bench_moe import PEAK_TFLOPS, dense_gemm_tflops, megatron_flops_per_token
     from transformers import AutoModelForCausalLM, DistributedConfig
     from transformers import __version__ as transformers_version
 
-    from bench_moe import PEAK_TFLOPS, dense_gemm_tflops, megatron_flops_per_token
-    from megablocks_utils.metrics import active_params, flops_per_token
+    from megablocks_utils.train.metrics import active_params, flops_per_token
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -47,7 +47,7 @@ GPT_OSS_20B = dict(
 def write(args) -> None:
     from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
-    from megablocks_utils.tiny_model import DEFAULT_NAME, make_tiny_mixtral
+    from megablocks_utils.model.tiny import DEFAULT_NAME, make_tiny_mixtral
 
     tiny = os.path.join(ROOT, DEFAULT_NAME)
     if not os.path.isdir(tiny):

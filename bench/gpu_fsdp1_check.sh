@@ -31,7 +31,7 @@ n=${2:-2}
 ep=${EP_SIZE:-$n}
 work=$(mktemp -d)
 mkdir -p "$out"
-[ -d tiny-mixtral ] || python3 -c "from megablocks_utils.tiny_model import make_tiny_mixtral; make_tiny_mixtral('tiny-mixtral', 'data.json')"
+[ -d tiny-mixtral ] || python3 -c "from megablocks_utils.model.tiny import make_tiny_mixtral; make_tiny_mixtral('tiny-mixtral', 'data.json')"
 launch="python3 -m accelerate.commands.launch --num_processes $n --config_file accelerate.yaml train_fsdp1.py --accelerator_config accelerator_config.json"
 args="--max_steps 6 --ep_size $ep --per_device_train_batch_size 2 --gradient_accumulation_steps 2 --warmup_steps 1"
 bf16_args="--max_steps 20 --ep_size $ep --per_device_train_batch_size 2 --gradient_accumulation_steps 2 --warmup_steps 1 --activation_checkpointing true"

@@ -28,7 +28,7 @@ main() {
   df -h /tmp | tail -n 1
   python3 -c "import torch, transformers, accelerate, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
   # The tiny model first: the check and the checkpoint writer (its tokenizer) both need it.
-  [ -d tiny-mixtral ] || python3 -c "from megablocks_utils.tiny_model import make_tiny_mixtral; make_tiny_mixtral('tiny-mixtral', 'data.json')"
+  [ -d tiny-mixtral ] || python3 -c "from megablocks_utils.model.tiny import make_tiny_mixtral; make_tiny_mixtral('tiny-mixtral', 'data.json')"
   stamp "writing the L=$layers checkpoint to $ckpt in the background (CPU only)"
   python3 bench/bench_fsdp1.py write --dir "$ckpt" --layers "$layers" ${BENCH_ARGS:-} > "$base/write.log" 2>&1 &
   local writer=$!

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megablocks_utils import causal_lm_loss_sum, moe_blocks, shard_moe  # noqa: E402
-from megablocks_utils.moe_layer import grouped_mm_supported  # noqa: E402
+from megablocks_utils.moe.layer import grouped_mm_supported  # noqa: E402
 
 
 def rel(a, b):
@@ -53,7 +53,7 @@ def no_host_sync_at_ep1() -> bool:
     grouped GEMM path, under CUDA's sync debug mode: any host sync (tolist, item, a sized nonzero) raises."""
     from types import SimpleNamespace
 
-    from megablocks_utils.moe_layer import ExpertParallelExperts
+    from megablocks_utils.moe.layer import ExpertParallelExperts
 
     experts = ExpertParallelExperts(8, SimpleNamespace(ep_size=1), "gpt_oss_swiglu", transposed=True, interleaved=True,
                                     bias=True, alpha=1.702, limit=7.0)

@@ -2,7 +2,7 @@
 # The fit check's estimate against the measured peak, one GPU, one call: train_fsdp2.py on a Mixtral-width checkpoint of
 # $LAYERS layers (random bf16 weights, written once per machine), 1 x $SEQ tokens x 4 micro-steps, 2 warm-up + 2
 # measured steps, once per entry of $RUNS (name=train_fsdp2 settings, ';'-separated). Each run prints the plan
-# (megablocks_utils/memory.py) before loading; the table last puts its peak beside the measured one.
+# (megablocks_utils/tools/memory.py) before loading; the table last puts its peak beside the measured one.
 # Usage, from the repo root with .whl carried: [LAYERS=4] [RUNS=...] bash bench/gpu_memory_check.sh
 # Results: $OUT/memory_check.jsonl (bench_fsdp1.py records plus the estimate), launch logs beside.
 set -uo pipefail

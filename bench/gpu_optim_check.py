@@ -1,4 +1,4 @@
-"""GPU check of the ``optim`` options (megablocks_utils/optim.py) with EP + FSDP2, and of the known 8-bit limit.
+"""GPU check of the ``optim`` options (megablocks_utils/train/optim.py) with EP + FSDP2, and of the known 8-bit limit.
 
     torchrun --nproc_per_node=2 bench/gpu_optim_check.py [--steps 30] [--hidden 1024]
     (needs torchao: pip install --no-deps torchao==0.18.0)
@@ -25,9 +25,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megablocks_utils import causal_lm_loss_sum, clip_grad_norm_, expert_parameters, shard_moe, sync_expert_grads  # noqa: E402
-from megablocks_utils.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from megablocks_utils.optim import OPTIMIZERS, build_optimizer, param_dtype  # noqa: E402
+from megablocks_utils import (  # noqa: E402
+    causal_lm_loss_sum,
+    clip_grad_norm_,
+    expert_parameters,
+    shard_moe,
+    sync_expert_grads,
+)
+from megablocks_utils.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megablocks_utils.train.optim import OPTIMIZERS, build_optimizer, param_dtype  # noqa: E402
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -6,7 +6,7 @@ The CPU test (tests/test_packing.py) shows it in fp32 at rel 1e-5 with sdpa and 
 the same comparison on the GPU in bf16, with a Mixtral shape of ``--hidden`` width (random weights, the embedded
 tokenizer, data.json's records) for every kernel ``attn_implementation="auto"`` can pick on a GPU and the explicit
 ones: sdpa and flex_attention (transformers' kernels that take the document mask built from position_ids) and
-varlen (torch's flash varlen kernel over the documents' cumulative lengths, megablocks_utils/attention.py). The
+varlen (torch's flash varlen kernel over the documents' cumulative lengths, megablocks_utils/model/attention.py). The
 packed row is padded to a fixed length as the scripts pad it (a padding document at its end). Prints one JSON line
 per kernel (attention and norms compiled as the scripts' compile_dense does): the relative difference of the summed loss, the largest per-token difference, and the same for the
 fp32 model (the reference for what bf16 rounding alone does; varlen has no fp32 kernel, so it has bf16 only).
@@ -21,12 +21,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from megablocks_utils.attention import register_varlen  # noqa: E402
-from megablocks_utils.compile_dense import compile_dense_parts  # noqa: E402
-from megablocks_utils.data import build_dataset, collate  # noqa: E402
-from megablocks_utils.loss import IGNORE_INDEX  # noqa: E402
-from megablocks_utils.packing import pack_dataset  # noqa: E402
-from megablocks_utils.tiny_model import make_tiny_mixtral  # noqa: E402
+from megablocks_utils.data.batches import collate
+from megablocks_utils.data.packing import pack_dataset  # noqa: E402
+from megablocks_utils.data.records import build_dataset
+from megablocks_utils.model.attention import register_varlen  # noqa: E402
+from megablocks_utils.model.tiny import make_tiny_mixtral  # noqa: E402
+from megablocks_utils.parallel.compile_dense import compile_dense_parts  # noqa: E402
+from megablocks_utils.train.loss import IGNORE_INDEX  # noqa: E402
 
 
 def token_losses(model, batch):

@@ -32,8 +32,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megablocks_utils import causal_lm_loss_sum, compile_dense_parts, expert_parameters, router_stats, shard_moe  # noqa: E402
-from megablocks_utils.checkpointing import OpCounter, apply_activation_checkpointing  # noqa: E402
+from megablocks_utils import (  # noqa: E402
+    causal_lm_loss_sum,
+    compile_dense_parts,
+    expert_parameters,
+    router_stats,
+    shard_moe,
+)
+from megablocks_utils.parallel.activation_checkpointing import (  # noqa: E402
+    OpCounter,
+    apply_activation_checkpointing,
+)
 
 BOUND = {"fp32": 1e-5, "bf16": 2e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -232,7 +241,7 @@ def report(records, rank, world, args) -> bool:
         )
     lines.append("bwd_gemms/bwd_a2a: GEMMs and all-to-alls run in the backward (gradients plus recompute); selective should "
                  "add no all-to-alls to none's. With compile_dense on, the attention projections inside the compiled "
-                 "attention are recomputed by selective too (see megablocks_utils/checkpointing.py).")
+                 "attention are recomputed by selective too (see megablocks_utils/parallel/activation_checkpointing.py).")
     lines.append("PASS" if ok else "FAIL")
     if rank == 0:
         print("\n".join(lines), flush=True)

@@ -200,7 +200,7 @@ cd "$REPO" || exit 1
 timeout 120 python3 -c "
 import megablocks, stk, grouped_gemm
 from megablocks.layers.dmoe import dMoE, ParallelDroplessMLP
-from megablocks_utils.shard import check_backend
+from megablocks_utils.model.build import check_backend
 check_backend('megablocks', 'cuda')
 print('imports ok:', megablocks.__file__)
 " || stop "megablocks does not import"

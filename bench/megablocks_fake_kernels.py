@@ -113,8 +113,9 @@ def install_fakes() -> None:
 
     ops.gather, ops.scatter = gather, scatter
 
-    from megablocks_utils import megablocks_backend, shard
-    from megablocks_utils.moe_layer import ExpertParallelExperts
+    from megablocks_utils.model import build as shard
+    from megablocks_utils.moe import megablocks_backend
+    from megablocks_utils.moe.layer import ExpertParallelExperts
 
     shard.check_megablocks = lambda device_type=None: None  # it refuses CPU runs, rightly
 

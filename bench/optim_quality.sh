@@ -16,7 +16,7 @@ steps=${STEPS:-200}
 optims=${OPTIMS:-adamw_torch adamw_bf16 adamw_torch_8bit}
 model=$work/mixtral-mid
 python3 -c "
-from megablocks_utils.tiny_model import make_tiny_mixtral
+from megablocks_utils.model.tiny import make_tiny_mixtral
 make_tiny_mixtral('$model', 'data.json', hidden_size=${HIDDEN:-1024}, intermediate_size=${INTERMEDIATE:-3584},
                   num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=${LAYERS:-4}, max_position_embeddings=1024)
 " || exit 1

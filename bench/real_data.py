@@ -69,7 +69,7 @@ def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = Fal
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from megablocks_utils.tiny_model import DEFAULT_NAME, make_tiny_mixtral
+    from megablocks_utils.model.tiny import DEFAULT_NAME, make_tiny_mixtral
 
     if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
         return  # complete: the tokenizer is written last
@@ -97,9 +97,8 @@ def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = Fal
 
 def data_file(run: str, work: str, directory: str, steps: int) -> str:
     if "synthetic" in run:
-        from transformers import AutoTokenizer
-
         from bench_fsdp1 import synthetic_alpaca
+        from transformers import AutoTokenizer
 
         path = os.path.join(work, "synthetic.json")
         with open(path, "w") as f:
@@ -190,8 +189,8 @@ def hf(run: str, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megablocks_utils.data import GlobalBatches, collate, load_training_data
-    from megablocks_utils.loss import causal_lm_loss_sum
+    from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
+    from megablocks_utils.train.loss import causal_lm_loss_sum
 
     attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[run]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -143,7 +143,7 @@ def run_script(script: str, nproc: int, *args: str, timeout: int = 300, cwd: str
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The embedded default model, made once per test session the way the scripts make it."""
-    from megablocks_utils.tiny_model import make_tiny_mixtral
+    from megablocks_utils.model.tiny import make_tiny_mixtral
 
     path = str(tmp_path_factory.mktemp("models") / "tiny-mixtral")
     make_tiny_mixtral(path, os.path.join(ROOT, "data.json"))
@@ -161,7 +161,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def samples(tokenizer):
     """data.json's records tokenized (max_length 1024: none truncated), unpacked."""
-    from megablocks_utils.data import build_dataset
+    from megablocks_utils.data.records import build_dataset
 
     return build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 1024)[0]
 

@@ -11,14 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT, tiny_moe_config
+from test_packing import per_token_losses
 from transformers import AutoModelForCausalLM
 
-from megablocks_utils import attention
-from megablocks_utils.attention import AttentionChoiceError, choose_attention, varlen_inputs
-from megablocks_utils.data import GlobalBatches, collate, load_training_data
-from megablocks_utils.loss import IGNORE_INDEX
-from megablocks_utils.packing import pack_dataset
-from test_packing import per_token_losses
+from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
+from megablocks_utils.data.packing import pack_dataset
+from megablocks_utils.model import attention
+from megablocks_utils.model.attention import (
+    AttentionChoiceError,
+    choose_attention,
+    varlen_inputs,
+)
+from megablocks_utils.train.loss import IGNORE_INDEX
 
 
 @pytest.mark.parametrize("model_type, device, masked, expected", [

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from megablocks_utils.shard import check_backend
+from megablocks_utils.model.build import check_backend
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megablocks") is not None, reason="megablocks is installed here")

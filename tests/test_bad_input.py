@@ -201,7 +201,7 @@ EARLY_CASES = {
         "train_fsdp2.py": "--max_steps expects an integer, got 'ten'",
         "train_fsdp1.py": "argument --max_steps/--max-steps: invalid int value: 'ten'; fix the TrainingArguments flag",
     }),
-    # Out of range (megablocks_utils/settings.py RULES; TrainingArguments' names in train_fsdp1.py too).
+    # Out of range (megablocks_utils/config/settings.py RULES; TrainingArguments' names in train_fsdp1.py too).
     "batch size 0": (lambda tmp, model: ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 is out of range; give an integer > 0"),
     "accumulation 0": (lambda tmp, model: ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0 is out of range; give an integer > 0"),
     "learning rate nan": (lambda tmp, model: ["--learning_rate", "nan"], "--learning_rate nan is not a finite number; give a number > 0"),

@@ -50,10 +50,16 @@ def _imbalance(tokens_per_expert: torch.Tensor) -> float:
 def _train(model_dir, coeff, rank, world):
     """STEPS steps of the tiny Mixtral on random tokens (ep 2, FSDP2), the bias updated after each optimizer
     step as train_fsdp2.py does; returns the model, its optimizer and the imbalance of the last 5 steps' load."""
-    from megablocks_utils import build_mesh, causal_lm_loss_sum, count_label_tokens, load_model, router_stats
-    from megablocks_utils.balance import add_routing_bias, update_routing_bias
-    from megablocks_utils.parallelize import parallelize
-    from megablocks_utils.shard import moe_blocks
+    from megablocks_utils import (
+        build_mesh,
+        causal_lm_loss_sum,
+        count_label_tokens,
+        load_model,
+        router_stats,
+    )
+    from megablocks_utils.model.build import moe_blocks
+    from megablocks_utils.moe.balance import add_routing_bias, update_routing_bias
+    from megablocks_utils.parallel.parallelize import parallelize
 
     model, mesh = load_model(model_dir, build_mesh(2, "cpu"), device="cpu")
     parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
@@ -79,11 +85,11 @@ def _train(model_dir, coeff, rank, world):
 
 def check_balancing(rank, world, model_dir, root):
     from megablocks_utils import build_mesh, load_model
-    from megablocks_utils.balance import add_routing_bias, routing_bias_exported
-    from megablocks_utils.checkpoint import load_checkpoint, save_checkpoint
-    from megablocks_utils.export import export_from_checkpoint, export_hf
-    from megablocks_utils.parallelize import parallelize
-    from megablocks_utils.shard import moe_blocks
+    from megablocks_utils.model.build import moe_blocks
+    from megablocks_utils.moe.balance import add_routing_bias, routing_bias_exported
+    from megablocks_utils.parallel.parallelize import parallelize
+    from megablocks_utils.tools.export import export_from_checkpoint, export_hf
+    from megablocks_utils.train.checkpoint import load_checkpoint, save_checkpoint
 
     _, _, _, without = _train(model_dir, 0.0, rank, world)
     model, mesh, optimizer, balanced = _train(model_dir, COEFF, rank, world)

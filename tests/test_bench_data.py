@@ -7,7 +7,8 @@ import sys
 from conftest import ROOT
 from transformers import AutoTokenizer
 
-from megablocks_utils.data import build_dataset, collate
+from megablocks_utils.data.batches import collate
+from megablocks_utils.data.records import build_dataset
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench_fsdp1 import synthetic_alpaca  # noqa: E402

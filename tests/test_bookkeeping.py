@@ -1,4 +1,4 @@
-"""What a run records (megablocks_utils/bookkeeping.py) and the files it leaves: the same metrics.jsonl
+"""What a run records (megablocks_utils/train/run_log.py, output_dir.py, stop_signal.py) and the files it leaves: the same metrics.jsonl
 and summary.json keys from both scripts, a finished run left alone by a resume, a checkpoint save that
 fails for want of space stopping cleanly, and inputs that name a file where a directory belongs.
 
@@ -19,16 +19,9 @@ import torch.distributed as dist
 from conftest import ROOT, free_port, read_jsonl, run_ranks
 from test_bad_input import assert_one_message, run_plain
 
-from megablocks_utils.bookkeeping import (
-    MetricsLog,
-    StepSums,
-    checkpoints_kept,
-    disk_space_warning,
-    prepare_output_dir,
-    summary_line,
-    trim_metrics,
-)
-from megablocks_utils.checkpoint import (
+from megablocks_utils.config.inputs import InputError, check_output_dir
+from megablocks_utils.model.loading import check_model_dir
+from megablocks_utils.train.checkpoint import (
     DISK_FULL_IN_SAVE_ENV,
     CheckpointError,
     complete_checkpoints,
@@ -36,9 +29,18 @@ from megablocks_utils.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from megablocks_utils.inputs import InputError, check_output_dir
-from megablocks_utils.loading import check_model_dir
-from megablocks_utils.nonfinite import where_to_continue
+from megablocks_utils.train.nonfinite import where_to_continue
+from megablocks_utils.train.output_dir import (
+    checkpoints_kept,
+    disk_space_warning,
+    prepare_output_dir,
+)
+from megablocks_utils.train.run_log import (
+    MetricsLog,
+    StepSums,
+    summary_line,
+    trim_metrics,
+)
 
 # The keys of every metrics.jsonl record, from either script (token_slots: positions computed, padding included).
 RECORD_KEYS = {
@@ -246,7 +248,7 @@ def test_full_disk_in_dcp_removes_the_partial_checkpoint(tmp_path, tiny_training
 
 def test_torch_short_write_is_a_full_disk_too(tmp_path, tiny_training, monkeypatch):
     """What a full disk gives from torch.save: "[enforce fail at inline_container.cc:672] unexpected pos"."""
-    import megablocks_utils.checkpoint as checkpoint
+    import megablocks_utils.train.checkpoint as checkpoint
 
     def short_write(obj, path):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
@@ -377,7 +379,7 @@ def check_stop_signal_is_agreed(rank, world):
     import os
     import signal
 
-    from megablocks_utils.bookkeeping import StopSignal
+    from megablocks_utils.train.stop_signal import StopSignal
 
     stop = StopSignal(torch.device("cpu"))
     assert stop.agreed() is False

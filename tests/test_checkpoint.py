@@ -183,7 +183,7 @@ def test_export_command_matches_the_live_export(two_rank_run, tmp_path):
 
     out = str(tmp_path / "hf")
     reference = two_rank_run
-    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", os.path.join(reference, "checkpoints", "step_00000004"), out],
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", os.path.join(reference, "checkpoints", "step_00000004"), out],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out)
@@ -202,7 +202,7 @@ def test_truncated_checkpoint_is_a_clear_error(tiny_model_dir, small_data, two_r
                         "--per_device_train_batch_size", "2", "--resume", ckpt)
     assert result.returncode != 0
     assert "is corrupt or truncated" in result.stderr, result.stderr[-3000:]
-    export = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
+    export = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", ckpt, str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
     assert export.returncode == 2 and "corrupt or truncated" in export.stdout, export.stdout + export.stderr[-2000:]
 
 

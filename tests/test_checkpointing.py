@@ -12,10 +12,15 @@ from conftest import run_ranks, tiny_mixtral_config
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from megablocks_utils import causal_lm_loss_sum, count_label_tokens, moe_blocks, router_stats, shard_moe
-from megablocks_utils.memory import checkpointed_layers
-from megablocks_utils.models import decoder_layers
-from megablocks_utils.checkpointing import (
+from megablocks_utils import (
+    causal_lm_loss_sum,
+    count_label_tokens,
+    moe_blocks,
+    router_stats,
+    shard_moe,
+)
+from megablocks_utils.model.architectures import decoder_layers
+from megablocks_utils.parallel.activation_checkpointing import (
     ACTIVATION_CHECKPOINTING,
     OpCounter,
     _contexts,
@@ -23,6 +28,7 @@ from megablocks_utils.checkpointing import (
     apply_activation_checkpointing,
     parse_activation_checkpointing,
 )
+from megablocks_utils.tools.memory import checkpointed_layers
 
 aten = torch.ops.aten
 MATMULS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)

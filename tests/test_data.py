@@ -7,10 +7,10 @@ import os
 import pytest
 from conftest import ROOT
 
-from megablocks_utils.data import (
+from megablocks_utils.data.batches import GlobalBatches
+from megablocks_utils.data.records import (
     PROMPT_NO_INPUT,
     DataError,
-    GlobalBatches,
     build_dataset,
     format_prompt,
     read_alpaca,
@@ -21,7 +21,7 @@ from megablocks_utils.data import (
     tokenize_record,
     tokenize_text,
 )
-from megablocks_utils.loss import IGNORE_INDEX
+from megablocks_utils.train.loss import IGNORE_INDEX
 
 
 @pytest.mark.parametrize("record", [
@@ -189,7 +189,7 @@ def test_a_data_file_is_read_once_per_process_until_it_changes(tmp_path, monkeyp
     unchanged file (or directory) is the first one's, for train and eval data alike; a changed file is read anew."""
     import time
 
-    import megablocks_utils.data as data
+    import megablocks_utils.data.records as data
 
     loads = []
     real_json, real_datasets = data._load_json, data._load_with_datasets

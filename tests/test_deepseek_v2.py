@@ -6,15 +6,17 @@ import pytest
 import torch
 from conftest import tiny_moe_config
 
-from megablocks_utils.models import spec_for
-from megablocks_utils.moe_layer import TopKRouter
+from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.moe.layer import TopKRouter
 
 TOL = 1e-6
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
 def test_router_matches_transformers(method):
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+        DeepseekV2TopkRouter,
+    )
 
     config = tiny_moe_config("deepseek_v2", topk_method=method, num_experts_per_tok=3, n_group=4, topk_group=2)
     spec = spec_for(config)

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 
 from megablocks_utils import (
     IGNORE_INDEX,
@@ -20,7 +20,7 @@ from megablocks_utils import (
     router_stats,
     spec_for,
 )
-from megablocks_utils.parallelize import needs_fsdp, parallelize
+from megablocks_utils.parallel.parallelize import needs_fsdp, parallelize
 
 TOL = 1e-5
 
@@ -228,8 +228,11 @@ def check_dp1_expert_gradients_are_exact(rank, world):
     dp > 1 they stay under FSDP."""
     from transformers import AutoModelForCausalLM
 
-    import megablocks_utils.parallelize as parallelize_module
-    from megablocks_utils.parallelize import experts_need_fsdp, set_gradient_sync
+    import megablocks_utils.parallel.parallelize as parallelize_module
+    from megablocks_utils.parallel.parallelize import (
+        experts_need_fsdp,
+        set_gradient_sync,
+    )
 
     config = tiny_moe_config("mixtral")
     input_ids, mask, labels = make_batch(config.vocab_size, batch=8)

@@ -7,9 +7,16 @@ import torch
 import torch.distributed as dist
 from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 
-from megablocks_utils import build_mesh, causal_lm_loss_sum, count_label_tokens, expert_parameters, router_stats, spec_for
-from megablocks_utils.export import export_hf
-from megablocks_utils.parallelize import parallelize
+from megablocks_utils import (
+    build_mesh,
+    causal_lm_loss_sum,
+    count_label_tokens,
+    expert_parameters,
+    router_stats,
+    spec_for,
+)
+from megablocks_utils.parallel.parallelize import parallelize
+from megablocks_utils.tools.export import export_hf
 
 
 def check_export_round_trip(rank, world, ep_size, out, arch="mixtral"):

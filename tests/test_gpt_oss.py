@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import tiny_moe_config
 
-from megablocks_utils.inputs import InputError
-from megablocks_utils.loading import check_model_dir
-from megablocks_utils.megablocks_backend import check_megablocks_model
-from megablocks_utils.models import spec_for
-from megablocks_utils.moe_layer import ExpertParallelExperts, TopKRouter
-from megablocks_utils.shard import expert_options, load_model
+from megablocks_utils.config.inputs import InputError
+from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.model.build import expert_options, load_model
+from megablocks_utils.model.loading import check_model_dir
+from megablocks_utils.moe.layer import ExpertParallelExperts, TopKRouter
+from megablocks_utils.moe.megablocks_backend import check_megablocks_model
 
 TOL = 1e-5
 
@@ -62,7 +62,7 @@ def test_clamped_swiglu_experts_match_transformers():
 
 def test_grouped_gemm_path_equals_the_expert_loop(monkeypatch):
     """The transposed weights and per-row biases on the grouped GEMM path (torch runs it on CPU too)."""
-    from megablocks_utils import moe_layer
+    from megablocks_utils.moe import layer as moe_layer
 
     config = tiny_moe_config("gpt_oss", swiglu_limit=1.0)
     spec = spec_for(config)
@@ -118,7 +118,7 @@ def test_megablocks_and_sdpa_are_clear_errors(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
 def test_one_local_expert_gemm_equals_the_expert_loop(monkeypatch, arch):
     """ep = number of experts: the grouped GEMM path runs plain GEMMs for the one local expert (biases too)."""
-    from megablocks_utils import moe_layer
+    from megablocks_utils.moe import layer as moe_layer
 
     config = tiny_moe_config(arch, **({"swiglu_limit": 1.0} if arch == "gpt_oss" else {}))
     spec = spec_for(config)

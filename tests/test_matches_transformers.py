@@ -14,7 +14,7 @@ from conftest import read_jsonl
 DEFAULTS = {"learning_rate": 2e-3, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-8, "weight_decay": 0.0,
             "max_grad_norm": 1.0, "max_length": 256, "seed": 42, "lr_scheduler_type": "cosine", "packing": True,
             "router_aux_loss_coef": -1.0, "activation_checkpointing": "full", "attn_implementation": "auto"}
-ATTENTION_ON_CPU = "sdpa"  # what attn_implementation "auto" picks on CPU (megablocks_utils.attention, tests/test_attention.py)
+ATTENTION_ON_CPU = "sdpa"  # what attn_implementation "auto" picks on CPU (megablocks_utils.model.attention, tests/test_attention.py)
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
@@ -30,8 +30,9 @@ def plain_transformers_losses(model_dir: str, data_path: str, s: dict) -> list[d
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from megablocks_utils.data import GlobalBatches, build_dataset, collate
-    from megablocks_utils.packing import pack_dataset
+    from megablocks_utils.data.batches import GlobalBatches, collate
+    from megablocks_utils.data.packing import pack_dataset
+    from megablocks_utils.data.records import build_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = pack_dataset(build_dataset(data_path, tokenizer, s["max_length"])[0], s["max_length"], s["seed"])

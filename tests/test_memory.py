@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, ROOT, tiny_moe_config
 
-from megablocks_utils import memory
-from megablocks_utils.inputs import InputError
-from megablocks_utils.memory import GiB, count_params, estimate_memory, fit_error
-from megablocks_utils.models import spec_for
+from megablocks_utils.config.inputs import InputError
+from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.tools import memory
+from megablocks_utils.tools.memory import GiB, count_params, estimate_memory, fit_error
 
 CONFIGS = os.path.join(ROOT, "tests", "configs")
 MIXTRAL_8X7B = os.path.join(CONFIGS, "mixtral-8x7b")
@@ -247,7 +247,7 @@ def test_fit_error_suggests_settings_that_do_fit():
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "megablocks_utils.memory", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "megablocks_utils.tools.memory", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 
@@ -308,7 +308,7 @@ def test_cli_defaults_are_train_fsdp2s():
 
 
 def test_import_stays_light():
-    code = "import sys, megablocks_utils.memory; print('transformers' in sys.modules)"
+    code = "import sys, megablocks_utils.tools.memory; print('transformers' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
 

@@ -4,7 +4,7 @@ the per-expert bias's segment-sum backward; and no host sync at ep = 1 on the gr
 
 import torch
 
-from megablocks_utils.moe_layer import _Dispatch, _ExpertBias, _gather_combine, _weigh
+from megablocks_utils.moe.layer import _Dispatch, _ExpertBias, _gather_combine, _weigh
 
 
 def test_gather_combine_equals_weighted_index_add():
@@ -72,7 +72,7 @@ def test_one_rank_grouped_gemm_layer_makes_no_host_sync(monkeypatch):
     CUDA) in forward or backward; the per-expert loop still reads them (and gets the same result)."""
     from types import SimpleNamespace
 
-    from megablocks_utils import moe_layer
+    from megablocks_utils.moe import layer as moe_layer
 
     torch.manual_seed(0)
     experts = moe_layer.ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu")

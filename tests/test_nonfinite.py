@@ -12,8 +12,13 @@ import pytest
 import torch
 from conftest import ROOT, every_rank_failed, free_port, read_jsonl
 
-from megablocks_utils.metrics import JsonlWriter, write_summary
-from megablocks_utils.nonfinite import NAN_GRAD_ENV, NAN_LOSS_ENV, NonFiniteStep, NonFiniteSteps
+from megablocks_utils.train.metrics import JsonlWriter, write_summary
+from megablocks_utils.train.nonfinite import (
+    NAN_GRAD_ENV,
+    NAN_LOSS_ENV,
+    NonFiniteStep,
+    NonFiniteSteps,
+)
 
 NAN = float("nan")
 # 4 short steps (one micro-batch of 2 samples per rank), a checkpoint after each.

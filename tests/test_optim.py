@@ -1,12 +1,25 @@
 """Every `optim` trains our EP + FSDP2 model in the precision it promises (2 gloo ranks, two meshes)."""
 
-import torch
 import pytest
+import torch
 from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_config
 
-from megablocks_utils import build_mesh, causal_lm_loss_sum, clip_grad_norm_, count_label_tokens, expert_parameters
-from megablocks_utils.optim import OPTIMIZERS, build_optimizer, decay_parameter_names, param_dtype, parameter_groups, state_bytes
-from megablocks_utils.parallelize import parallelize
+from megablocks_utils import (
+    build_mesh,
+    causal_lm_loss_sum,
+    clip_grad_norm_,
+    count_label_tokens,
+    expert_parameters,
+)
+from megablocks_utils.parallel.parallelize import parallelize
+from megablocks_utils.train.optim import (
+    OPTIMIZERS,
+    build_optimizer,
+    decay_parameter_names,
+    param_dtype,
+    parameter_groups,
+    state_bytes,
+)
 
 # Optimizer state bytes per parameter each option promises (AdamW's two moments): fp32, bf16, and 8-bit
 # codes (plus per-block scales and a 256-entry codebook per tensor: up to ~0.6 more on these small tensors).
@@ -78,10 +91,10 @@ def test_weight_decay_skips_what_trainer_skips(arch):
     import copy
 
     import torch.distributed as dist
+    from conftest import free_port
     from transformers import AutoModelForCausalLM, Trainer
 
     from megablocks_utils import shard_moe
-    from conftest import free_port
 
     model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
     trainers = set(Trainer.get_decay_parameter_names(None, model))  # it reads nothing of the Trainer itself

@@ -7,9 +7,10 @@ import torch
 from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
-from megablocks_utils.data import build_dataset, collate
-from megablocks_utils.loss import IGNORE_INDEX
-from megablocks_utils.packing import fill, pack_dataset, pack_rows
+from megablocks_utils.data.batches import collate
+from megablocks_utils.data.packing import fill, pack_dataset, pack_rows
+from megablocks_utils.data.records import build_dataset
+from megablocks_utils.train.loss import IGNORE_INDEX
 
 
 def test_rows_hold_every_sample_once_and_fit(samples):

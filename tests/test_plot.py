@@ -1,4 +1,4 @@
-"""`python -m megablocks_utils.plot <run_dir>` draws a real run's metrics.jsonl."""
+"""`python -m megablocks_utils.tools.plot <run_dir>` draws a real run's metrics.jsonl."""
 
 import os
 import subprocess
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from conftest import ROOT, read_jsonl
 
-from megablocks_utils.plot import PLOTS, expert_fractions, main
+from megablocks_utils.tools.plot import PLOTS, expert_fractions, main
 
 
 def plot_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megablocks_utils.plot", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "megablocks_utils.tools.plot", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

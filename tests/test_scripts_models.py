@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, read_jsonl, run_script, tiny_moe_config
 from test_train_fsdp1 import accelerate_launch, assert_same_steps, readme_command
 
@@ -20,7 +19,7 @@ def make_model_dir(path: str, data_path: str, model_type: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megablocks_utils.tiny_model import train_tokenizer
+    from megablocks_utils.model.tiny import train_tokenizer
 
     tokenizer = train_tokenizer(data_path)
     config = tiny_moe_config(
@@ -64,7 +63,7 @@ def test_model_trains_the_same_in_both_scripts(tmp_path, model_type, extra):
 
     out = str(tmp_path / "exported")
     ckpt = str(tmp_path / "fsdp2" / "checkpoints" / "step_00000002")
-    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", ckpt, out], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", ckpt, out], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     ids = torch.tensor([[1, 7, 42, 9, 3, 25]])
     exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")(ids).logits

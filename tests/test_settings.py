@@ -1,5 +1,5 @@
 """The training scripts' settings: every value is checked before anything heavy, with one line naming the flag;
---help, --config and bare true/false flags work (megablocks_utils/settings.py).
+--help, --config and bare true/false flags work (megablocks_utils/config/settings.py).
 
 The sweep calls the parser in-process on the scripts' own settings blocks; a few real runs of the
 scripts (no launcher: the checks come before the launch check) prove the wiring.
@@ -14,7 +14,15 @@ import sys
 import pytest
 from conftest import ROOT
 
-from megablocks_utils.settings import RULES, Choice, Number, SettingsError, check_values, help_comments, parse_settings
+from megablocks_utils.config.settings import (
+    RULES,
+    Choice,
+    Number,
+    SettingsError,
+    check_values,
+    help_comments,
+    parse_settings,
+)
 
 FSDP2 = os.path.join(ROOT, "train_fsdp2.py")
 FSDP1 = os.path.join(ROOT, "train_fsdp1.py")
@@ -167,8 +175,8 @@ def test_config_keys_for_another_parser_come_before_its_command_line_flags(tmp_p
 def test_missing_tensorboard_is_one_line(monkeypatch):
     import importlib.util
 
-    from megablocks_utils.inputs import InputError
-    from megablocks_utils.tensorboard_writer import require_tensorboard
+    from megablocks_utils.config.inputs import InputError
+    from megablocks_utils.train.tensorboard_writer import require_tensorboard
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(InputError, match="pip install tensorboard"):
@@ -209,9 +217,11 @@ def test_a_bad_value_from_the_config_file_is_reported_before_the_launch_check(tm
 
 def test_one_parser_reads_true_false_words_for_every_setting():
     """settings, activation_checkpointing, shard_experts and the fit check read true/false the same way."""
-    from megablocks_utils.checkpointing import parse_activation_checkpointing
-    from megablocks_utils.inputs import parse_bool, resolve_shard_experts
-    from megablocks_utils.memory import checkpointing_mode
+    from megablocks_utils.config.inputs import parse_bool, resolve_shard_experts
+    from megablocks_utils.parallel.activation_checkpointing import (
+        parse_activation_checkpointing,
+    )
+    from megablocks_utils.tools.memory import checkpointing_mode
 
     for word, value in [("1", True), ("True", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
                         ("No", False), ("off", False)]:

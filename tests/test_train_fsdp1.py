@@ -14,7 +14,15 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TRAIN_STEPS, ROOT, free_port, read_jsonl, run_ranks, run_script, tiny_mixtral_config
+from conftest import (
+    ROOT,
+    TRAIN_STEPS,
+    free_port,
+    read_jsonl,
+    run_ranks,
+    run_script,
+    tiny_mixtral_config,
+)
 
 from megablocks_utils import (
     IGNORE_INDEX,
@@ -138,12 +146,12 @@ def test_export_equals_fsdp2_export(runs):
 
 
 def test_export_command_on_a_trainer_checkpoint_equals_the_live_export(runs):
-    """`python -m megablocks_utils.export checkpoint-N out` on the final Trainer checkpoint = final/."""
+    """`python -m megablocks_utils.tools.export checkpoint-N out` on the final Trainer checkpoint = final/."""
     from safetensors.torch import load_file
 
     out = str(runs["tmp"] / "exported")
     checkpoint = os.path.join(runs["fsdp1"], "checkpoint-4")
-    result = subprocess.run([sys.executable, "-m", "megablocks_utils.export", checkpoint, out], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", checkpoint, out], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
 
     def tensors(folder):
@@ -204,7 +212,7 @@ def test_launch_without_accelerate_fsdp_config_stops(tiny_model_dir, tmp_path):
 def test_rank_batch_sampler_follows_global_batches_across_epochs():
     from datasets import Dataset
 
-    from megablocks_utils.data import GlobalBatches, RankBatchSampler
+    from megablocks_utils.data.batches import GlobalBatches, RankBatchSampler
 
     dataset = Dataset.from_dict({"num_label_tokens": list(range(1, 41))})
     for rank in range(2):
@@ -235,12 +243,11 @@ def make_batch(vocab: int, batch: int = 4, seq: int = 12):
 def check_fsdp1_clip_is_global(rank, world, ep_size, use_orig_params):
     from functools import partial
 
+    from megablocks_utils.fsdp1 import grad_shard_group
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import MixtralForCausalLM
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
-
-    from megablocks_utils.fsdp1 import grad_shard_group
 
     config = tiny_mixtral_config()
     torch.manual_seed(0)

@@ -65,8 +65,9 @@ def reference_eval_loss(model, tiny_model_dir):
     from conftest import ROOT
     from transformers import AutoTokenizer
 
-    from megablocks_utils.data import build_dataset, collate, tokenize_records
-    from megablocks_utils.loss import causal_lm_loss_sum, count_label_tokens
+    from megablocks_utils.data.batches import collate
+    from megablocks_utils.data.records import build_dataset, tokenize_records
+    from megablocks_utils.train.loss import causal_lm_loss_sum, count_label_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     held, fmt = build_dataset(os.path.join(ROOT, "data.json"), tokenizer, 256, eval_split=EVAL_SPLIT, seed=42)[2]

@@ -1,0 +1,274 @@
+"""``shard_moe``: turn a transformers MoE model into an expert-parallel one, loading only local experts."""
+
+import os
+import re
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
+from megablocks_utils.model.attention import choose_attention
+from megablocks_utils.model.loading import Checkpoint, expert_layout, load_local_experts
+from megablocks_utils.moe.layer import (
+    ExpertParallelExperts,
+    ExpertParallelMoE,
+    TopKRouter,
+)
+from megablocks_utils.moe.megablocks_backend import (
+    MegablocksExperts,
+    check_megablocks,
+    check_megablocks_model,
+)
+from megablocks_utils.parallel.mesh import MoEMesh, build_mesh
+
+BACKENDS = ("native", "megablocks")
+
+
+def check_backend(moe_backend: str, device_type: str | None = None) -> None:
+    """Raise a clear error unless ``moe_backend`` is known and can run here (never a silent fallback)."""
+    if moe_backend not in BACKENDS:
+        raise ValueError(f"moe_backend={moe_backend!r} is unknown; choose one of {BACKENDS}")
+    if moe_backend == "megablocks":
+        check_megablocks(device_type)
+
+
+def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights: DTensors on the ep mesh (and, once FSDP shards them, on the whole expert mesh)."""
+    return [p for block in moe_blocks(model) for p in block.experts.parameters()]
+
+
+def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, ...]:
+    """This ep rank's whole expert blocks (gate_up [El, 2I, H], down [El, H, I], then the biases where the
+    model has them; ``experts.expert_tensors()``), gathered over dp if FSDP shards them. Collective when
+    sharded: every rank must call it for the same module."""
+    out = []
+    for p in experts.expert_tensors():
+        p = p.detach()
+        if isinstance(p, DTensor) and p.device_mesh.ndim > 1:  # FSDP-sharded: (replicate, shard, ep)
+            p = p.redistribute(placements=[Replicate()] * (p.device_mesh.ndim - 1) + [Shard(0)])
+        out.append(p.to_local() if isinstance(p, DTensor) else p)
+    return tuple(out)
+
+
+def _start_recording_router(model: nn.Module, args) -> None:
+    for block in moe_blocks(model):
+        block.record_router = True
+
+
+def _as_expert_dtensor(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
+    return DTensor.from_local(local, mesh.ep, [Shard(0)], run_check=False)
+
+
+def expert_shapes(spec: MoESpec, config, num_experts: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one layer's ``num_experts`` experts' tensors, in ``expert_tensors()`` order, in the row's layout."""
+    hidden, intermediate = config.hidden_size, getattr(config, spec.intermediate_attr)
+    if spec.experts_transposed:
+        shapes = [(num_experts, hidden, 2 * intermediate), (num_experts, intermediate, hidden)]
+    else:
+        shapes = [(num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate)]
+    if spec.expert_bias:
+        shapes += [(num_experts, 2 * intermediate), (num_experts, hidden)]
+    return tuple(shapes)
+
+
+def expert_options(spec: MoESpec, config) -> dict:
+    """The expert module's layout and activation, from the model table row and the config."""
+    options = dict(transposed=spec.experts_transposed, interleaved=spec.gate_up_interleaved, bias=spec.expert_bias)
+    if spec.expert_act == "gpt_oss_swiglu":
+        options.update(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    return options
+
+
+def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> None:
+    """Allocate the meta skeleton's dense tensors on ``device`` and fill them from the checkpoint."""
+    model.to_empty(device=device)
+    for module in model.modules():  # a checkpoint without the routers' selection bias means zeros
+        if isinstance(module, TopKRouter) and module.bias_name is not None:
+            module.score_bias.zero_()
+    # Non-persistent buffers (rotary inv_freq) are not in checkpoints; transformers computes them
+    # in its per-module init, the same routine from_pretrained runs after building on meta.
+    for module in model.modules():
+        if any(name in module._non_persistent_buffers_set for name, _ in module.named_buffers(recurse=False)):
+            model._init_weights(module)
+    targets = dict(model.named_parameters())
+    targets.update(model.state_dict(keep_vars=True))  # persistent buffers too
+    loaded = set()
+    # Tensors without a place that transformers' from_pretrained ignores too: DeepSeek-V3's MTP layer (model.layers.61.*).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    with torch.no_grad():
+        for name in ckpt.names():
+            if spec.is_expert_name(name):
+                continue
+            target = spec.hub_to_model(name)
+            if target not in targets:
+                if "rotary_emb.inv_freq" in target:  # old checkpoints carry it; it is recomputed above
+                    continue
+                if any(p.search(name) for p in ignored):
+                    continue
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
+                    "the checkpoint and config.json do not belong to the same model"
+                )
+            value = ckpt.get(name)
+            if targets[target].shape != value.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(value.shape)} but the model expects "
+                    f"{tuple(targets[target].shape)}; config.json does not match the weights"
+                )
+            targets[target].copy_(value)
+            loaded.add(target)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        loaded.update(n for n, p in model.named_parameters(remove_duplicate=False) if n.startswith("lm_head"))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)  # experts are not attached yet
+    if missing:
+        raise ValueError(f"the checkpoint in {ckpt.model_dir} lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+
+
+def shard_moe(
+    model: nn.Module,
+    mesh: MoEMesh | int,
+    *,
+    model_dir: str | None = None,
+    device: torch.device | str | None = None,
+    moe_backend: str = "native",
+    timeout: timedelta | None = None,
+) -> MoEMesh:
+    """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
+
+    ``moe_backend``: "native" (this package's expert-parallel layer) or "megablocks" (megablocks'
+    dropless MoE moves the tokens, grouped_gemm runs the experts; CUDA only; ``megablocks_backend.py``).
+    Both hold the same weights in the same places.
+
+    ``model`` is either built on the meta device (then ``model_dir`` supplies every weight: dense
+    ones whole, experts as this rank's slices only) or a materialised transformers model (then the
+    local experts are sliced out of it). Returns the mesh; the model is modified in place.
+    ``mesh``: the script's ``build_mesh(...)``, or an ep size (then a mesh is built with its defaults
+    and ``timeout``, which bounds the collectives on the mesh's groups; see ``build_mesh``).
+    FSDP (``parallelize``) is applied afterwards; until then each expert DTensor is Shard(0) over ep.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = model.config
+    spec = spec_for(config)
+    if moe_backend == "megablocks":
+        check_megablocks_model(spec)
+    check_backend(moe_backend, device.type)
+    num_experts = getattr(config, spec.num_experts_attr)
+    top_k = getattr(config, spec.top_k_attr)
+    intermediate = getattr(config, spec.intermediate_attr)
+    renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else getattr(config, spec.renormalize)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if isinstance(mesh, int):
+        mesh = build_mesh(mesh, device.type, num_experts, spec.num_experts_attr, timeout=timeout)
+    elif num_experts % mesh.ep_size != 0:
+        raise ValueError(f"{spec.num_experts_attr}={num_experts} is not divisible by the mesh's ep size {mesh.ep_size}")
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and model_dir is None:
+        raise ValueError("the model is on the meta device: pass model_dir so shard_moe can load its weights")
+
+    old_blocks = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        old = getattr(layer, spec.block_attr, None)
+        if old is None or not hasattr(old, spec.experts_attr):
+            continue
+        dtype = getattr(old, spec.router_attr).weight.dtype
+        with torch.device("meta" if on_meta else device):
+            if moe_backend == "megablocks":
+                experts = MegablocksExperts(
+                    num_experts, mesh, config.hidden_act,
+                    top_k=top_k, hidden_size=config.hidden_size, intermediate_size=intermediate,
+                )
+            else:
+                experts = ExpertParallelExperts(num_experts, mesh, spec.expert_act or config.hidden_act, **expert_options(spec, config))
+            new = ExpertParallelMoE(
+                config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
+                router_attr=spec.router_attr, router_mode=spec.router, router_options=spec.router_options(config),
+                router_bias=spec.router_bias, returns_scores=spec.block_returns_scores, experts=experts,
+            )
+        new.to(dtype)
+        new.top_k_router.keep_bias_fp32()
+        if spec.shared_expert_attr is not None:  # transformers' own modules, weights and all
+            gate = getattr(old, spec.shared_gate_attr) if spec.shared_gate_attr else None
+            new.add_shared_expert(spec.shared_expert_attr, getattr(old, spec.shared_expert_attr), spec.shared_gate_attr, gate)
+        old_blocks[index] = old
+        setattr(layer, spec.block_attr, new)
+    if not old_blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no MoE blocks (no decoder layer has `{spec.block_attr}.{spec.experts_attr}`); "
+            "shard_moe needs a mixture-of-experts model"
+        )
+
+    ckpt = Checkpoint(model_dir) if model_dir is not None else None
+    if on_meta:
+        _materialize_dense(model, ckpt, spec, device)
+    else:
+        model.to(device)
+
+    layout = expert_layout(ckpt.names(), spec, model_dir) if ckpt is not None else None
+    local = num_experts // mesh.ep_size
+    mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
+    layers = decoder_layers(model)
+    for index, old in old_blocks.items():
+        new = getattr(layers[index], spec.block_attr)
+        dtype = new.top_k_router.weight.dtype
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in expert_shapes(spec, config, local)]
+        with torch.no_grad():
+            if on_meta:
+                load_local_experts(ckpt, spec, layout, index, mine, intermediate, *tensors)
+            else:
+                old_experts = getattr(old, spec.experts_attr)
+                names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+                for name, tensor in zip(names, tensors):
+                    tensor.copy_(getattr(old_experts, name)[mine.start : mine.stop])
+                old_router = getattr(old, spec.router_attr)
+                new.top_k_router.weight.copy_(old_router.weight)
+                if spec.router_bias:
+                    new.top_k_router.bias.copy_(old_router.bias)
+                if spec.score_bias is not None:
+                    new.top_k_router.score_bias.copy_(getattr(old_router, spec.score_bias))
+        new.experts.set_weights(*(_as_expert_dtensor(t, mesh) for t in tensors))
+    if ckpt is not None:
+        ckpt.close()
+    model.register_forward_pre_hook(_start_recording_router)
+    # transformers' own aux loss would look for its router class's outputs and find none; ours is
+    # computed over the global token set by aux_loss.router_stats instead.
+    config.output_router_logits = False
+    return mesh
+
+
+def load_model(
+    model_dir: str,
+    mesh: MoEMesh | int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    moe_backend: str = "native",
+    timeout: timedelta | None = None,
+    attn_implementation: str | None = None,
+) -> tuple[nn.Module, MoEMesh]:
+    """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``.
+
+    ``mesh``: the script's ``build_mesh(...)`` (or an ep size, see ``shard_moe``); ``timeout``: for a
+    mesh built here (see ``build_mesh``).
+    """
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local model")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(model_dir)
+    spec_for(config)  # fail early, with the list of supported models
+    if attn_implementation is not None:  # "auto" resolved, an explicit kernel checked (varlen registered)
+        device_type = torch.device(device).type if device is not None else "cpu"
+        attn_implementation = choose_attention(attn_implementation, config, device_type)[0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    mesh = shard_moe(model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
+    return model, mesh

@@ -1,0 +1,276 @@
+"""Read a model directory's safetensors: dense weights whole, experts only as this rank's slices.
+
+Real Mixtral checkpoints store every expert separately (hub layout,
+``model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight``; Granite stacks each layer's experts in
+one tensor); transformers 5's own state dict has them fused
+(``model.layers.{l}.mlp.experts.gate_up_proj`` [E, 2I, H]). ``models.py`` names both layouts. Either way a rank reads only the bytes of
+its own experts, straight into a preallocated local tensor: no rank ever holds all experts and
+nothing is concatenated.
+"""
+
+import json
+import os
+import re
+from types import SimpleNamespace
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from megablocks_utils.config.inputs import InputError
+from megablocks_utils.model.architectures import MOE_SPECS, MoESpec, spec_for
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def _shard_names(path: str) -> set[str]:
+    """The tensor names in one safetensors file; its header is parsed, which finds a truncated or corrupt file."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"{path} is truncated or corrupt ({e}); fetch it again") from e
+
+
+def weight_map(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of a model directory, after checking that every file is there and whole.
+
+    Reads the index and each file's header only (a few KB per file), so it is cheap to run before loading.
+    """
+    index_path = os.path.join(model_dir, INDEX_NAME)
+    single_path = os.path.join(model_dir, SINGLE_NAME)
+    if os.path.isfile(single_path) and not os.path.isfile(index_path):
+        return {name: SINGLE_NAME for name in _shard_names(single_path)}
+    if not os.path.isfile(index_path):
+        others = sorted(n for n in os.listdir(model_dir) if n.endswith((".bin", ".pt", ".pth", ".safetensors")))
+        found = f" (it holds {others[:3]}: convert them with `model.save_pretrained(dir)`, which writes safetensors)" if others else ""
+        raise InputError(
+            f"no {INDEX_NAME} or {SINGLE_NAME} in {model_dir}{found}; point model_name_or_path at a Hugging Face "
+            "model directory saved with safetensors"
+        )
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            names = json.load(f)["weight_map"]
+        if not isinstance(names, dict):
+            raise TypeError(f"weight_map is a {type(names).__name__}")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise InputError(f"{index_path} is not a valid safetensors index ({e}); re-download or re-export the model") from e
+    files = sorted(set(names.values()))
+    missing = [file for file in files if not os.path.isfile(os.path.join(model_dir, file))]
+    if missing:
+        raise InputError(
+            f"{index_path} names shard file(s) that are not in {model_dir}: {missing}; "
+            "the download is incomplete, fetch the missing files"
+        )
+    for file in files:
+        absent = sorted({n for n, f in names.items() if f == file} - _shard_names(os.path.join(model_dir, file)))
+        if absent:
+            raise InputError(
+                f"{index_path} places {len(absent)} tensor(s) in {file} that it does not hold, e.g. {absent[:2]}; "
+                "the index and the shards come from different saves, fetch the model again"
+            )
+    return names
+
+
+class Checkpoint:
+    """A model directory's safetensors files behind one name -> tensor lookup.
+
+    Files are opened lazily and once. ``read_names`` records every tensor read, whole or sliced,
+    so tests can prove a rank read only its own experts.
+    """
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.weight_map = weight_map(model_dir)
+        self._handles = {}
+        self.read_names: list[str] = []
+
+    def _file(self, name: str):
+        if name not in self.weight_map:
+            raise InputError(
+                f"tensor {name!r} is not in the checkpoint at {self.model_dir}; the checkpoint is incomplete "
+                "or config.json does not describe these weights"
+            )
+        file = self.weight_map[name]
+        if file not in self._handles:
+            path = os.path.join(self.model_dir, file)
+            try:
+                self._handles[file] = safe_open(path, framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise InputError(f"cannot read {path} ({e}); the file is truncated or corrupt, fetch it again") from e
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        self.read_names.append(name)
+        return self._file(name).get_tensor(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0, reading only their bytes."""
+        self.read_names.append(f"{name}[{start}:{stop}]")
+        return self._file(name).get_slice(name)[start:stop]
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def check_not_quantized(names: list[str], spec: MoESpec, model_dir: str) -> None:
+    """Released gpt-oss checkpoints hold MXFP4 experts (``*_blocks`` and ``*_scales`` tensors): not loadable here."""
+    quantized = [n for n in names if ".experts." in n and n.endswith(("_blocks", "_scales"))]
+    if quantized:
+        raise InputError(
+            f"the checkpoint in {model_dir} holds MXFP4-quantized experts (e.g. {quantized[0]!r}), which this suite "
+            "cannot load or train; dequantize it with transformers first: "
+            "AutoModelForCausalLM.from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
+            ".save_pretrained(new_dir), then set model_name_or_path to new_dir"
+        )
+
+
+def expert_layout(names: list[str], spec: MoESpec, model_dir: str) -> str:
+    """'hub' (the Hub's names: per expert, or stacked per layer for Granite and gpt-oss) or 'fused' (transformers 5)."""
+    check_not_quantized(names, spec, model_dir)
+    if spec.hub_stacked is not None:
+        hub_example = spec.hub_stacked_names(0)[0]
+    else:
+        hub_example = spec.hub_expert_names(0, 0)[0]
+    hub = re.compile(re.escape(hub_example).replace(r"layers\.0\.", r"layers\.\d+\.").replace(r"experts\.0\.", r"experts\.\d+\.") + "$")
+    fused = re.compile(rf"\.{spec.block_attr}\.{spec.experts_attr}\.gate_up_proj$")
+    if any(hub.search(n) for n in names):
+        return "hub"
+    if any(fused.search(n) for n in names):
+        return "fused"
+    raise InputError(
+        f"the checkpoint in {model_dir} has no expert weights in a layout we know "
+        f"(neither '{hub_example}' nor '{spec.fused_names(0)[0]}' or their other layers); "
+        f"is it a {spec.model_type} MoE checkpoint? (config.json says it is)"
+    )
+
+
+def missing_expert_names(names: list[str], spec: MoESpec, layout: str, num_experts: int) -> list[str]:
+    """Expert tensors absent from a checkpoint, in every layer that has any: all of a layer's experts must be there."""
+    present = set(names)
+    layers = set()
+    for name in names:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match and spec.is_expert_name(name):
+            layers.add(int(match.group(1)))
+    wanted = []
+    for layer in sorted(layers):
+        if layout == "fused":
+            wanted += spec.fused_names(layer)
+        elif spec.hub_stacked is not None:
+            wanted += spec.hub_stacked_names(layer)
+        else:
+            wanted += [name for e in range(num_experts) for name in spec.hub_expert_names(layer, e)]
+        if spec.expert_bias:  # stored under the fused names in either layout (gpt-oss's hub layout is fused)
+            wanted += spec.fused_bias_names(layer)
+    return [name for name in wanted if name not in present]
+
+
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_model_dir(model_dir: str) -> tuple[int | None, str]:
+    """Check a model directory without loading it; return (number of experts, the config field naming it).
+
+    config.json of a supported MoE model, every safetensors file there and whole, and expert weights
+    in a layout we know, complete in each layer. Reads only config.json, the index and file headers.
+    """
+    if os.path.isfile(model_dir):
+        raise InputError(
+            f"model_name_or_path {model_dir!r} is a file, not a model directory; set it to the Hugging Face model "
+            "directory that holds config.json and the *.safetensors files"
+        )
+    if not os.path.isdir(model_dir):
+        raise InputError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local Hugging Face model directory")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise InputError(
+            f"{model_dir} has no config.json, so it is not a Hugging Face model directory; set model_name_or_path "
+            "to the directory that holds config.json and the *.safetensors files"
+        )
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{config_path} is not valid JSON ({e}); re-download or re-save the model") from e
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in MOE_SPECS and isinstance(config, dict) and not any(f in config for f in EXPERT_COUNT_FIELDS):
+        raise InputError(
+            f"{model_dir} holds a dense model (model_type={model_type!r}, no experts in config.json); this suite "
+            f"fine-tunes mixture-of-experts models: set model_name_or_path to a model of type {', '.join(sorted(MOE_SPECS))}"
+        )
+    try:
+        spec = spec_for(SimpleNamespace(model_type=model_type))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    # The config class's field, or the name config.json stores it under (transformers 5 maps some, e.g.
+    # Qwen3-MoE's num_experts to num_local_experts). Absent: the class default, checked when the model is built.
+    field = next((f for f in (spec.num_experts_attr, *EXPERT_COUNT_FIELDS) if isinstance(config.get(f), int)), None)
+    num_experts = config[field] if field else None
+    names = list(weight_map(model_dir))
+    layout = expert_layout(names, spec, model_dir)
+    if num_experts is not None:
+        missing = missing_expert_names(names, spec, layout, num_experts)
+        if missing:
+            raise InputError(
+                f"the checkpoint in {model_dir} lacks {len(missing)} expert tensor(s), e.g. {missing[:2]}; the download "
+                f"is incomplete, or config.json's {field}={num_experts} does not match the weights"
+            )
+    return num_experts, field or spec.num_experts_attr
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def check_tokenizer_files(model_dir: str) -> None:
+    """The scripts tokenize with the model's own tokenizer: its files must be in the model directory."""
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        raise InputError(
+            f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer files "
+            "of the model's hub repository into this directory (train with the tokenizer the model was trained with)"
+        )
+
+
+def _copy_checked(out: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if out.shape != value.shape:
+        raise InputError(
+            f"checkpoint tensor {name!r} has shape {tuple(value.shape)} but config.json implies {tuple(out.shape)}; "
+            "config.json does not match the weights"
+        )
+    out.copy_(value)
+
+
+def load_local_experts(
+    ckpt: Checkpoint,
+    spec: MoESpec,
+    layout: str,
+    layer: int,
+    experts: range,
+    intermediate: int,
+    out_gate_up: torch.Tensor,
+    out_down: torch.Tensor,
+    out_gate_up_bias: torch.Tensor | None = None,
+    out_down_bias: torch.Tensor | None = None,
+) -> None:
+    """Fill out_gate_up [El, 2I, H] and out_down [El, H, I] (or the row's transposed layout) with experts
+    ``experts`` of ``layer``, and the expert biases where the row has them.
+
+    ``layout`` is what ``expert_layout`` says of the checkpoint. Stacked tensors (transformers'
+    fused layout, Granite's and gpt-oss's hub layouts) are read as row slices; per-expert ones whole.
+    """
+    if layout == "fused" or spec.hub_stacked is not None:
+        gate_up_name, down_name = spec.fused_names(layer) if layout == "fused" else spec.hub_stacked_names(layer)
+        outputs = {gate_up_name: out_gate_up, down_name: out_down}
+        if spec.expert_bias:
+            outputs.update(zip(spec.fused_bias_names(layer), (out_gate_up_bias, out_down_bias)))
+        for name, out in outputs.items():
+            _copy_checked(out, ckpt.get_rows(name, experts.start, experts.stop), name)
+        return
+    for i, e in enumerate(experts):
+        gate, up, down = spec.hub_expert_names(layer, e)
+        _copy_checked(out_gate_up[i, :intermediate], ckpt.get(gate), gate)
+        _copy_checked(out_gate_up[i, intermediate:], ckpt.get(up), up)
+        _copy_checked(out_down[i], ckpt.get(down), down)

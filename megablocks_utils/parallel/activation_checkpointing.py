@@ -1,0 +1,192 @@
+"""Activation checkpointing of each decoder layer: none, full recompute, or selective (SAC).
+
+Full recompute reruns every op of a layer in the backward, the GEMMs and the all-to-alls included:
+on 4x H200 at 8 Mixtral layers it dropped MFU from 48% to 32%. "selective" uses torch's selective
+checkpoint API (``create_selective_checkpoint_contexts``) on the same per-layer checkpoint: the
+outputs of the GEMMs (mm, addmm, bmm, baddbmm, grouped mm), of the attention kernels and of the
+all-to-alls are kept from the forward, everything else (norms, rotary embedding, SiLU * up, softmax,
+routing bookkeeping, casts) is recomputed. The recompute then does no communication at all, and
+costs only element-wise work.
+
+What else the recompute of an expert-parallel layer must get right:
+- Routing. The recomputed layer routes exactly as the first pass: routing is a pure function of the
+  layer input. The host sync (``.tolist()`` of the routed counts after the small all-to-all) reads
+  the kept all-to-all output, so it yields the same splits without a collective.
+- Collectives across ranks. "selective" issues none in the recompute, so ranks cannot mismatch
+  whatever they recompute. "full" reissues a layer's three all-to-alls; every rank recomputes the
+  same layers in the same (graph) order, as before.
+- Router recording. The loss reads the routing of the forward (``aux_loss.router_stats``, which
+  also turns recording off). The recompute runs with recording paused as well, so even a caller
+  that never turned it off gets the forward's routing, not a second copy.
+
+torch.compile'd parts inside a checkpointed layer (on CUDA: ``compile_dense`` compiles attention and
+norms; the MoE layer compiles its SiLU * up and its combine), from torch 2.13's source, checked on CPU:
+- Dynamo does not skip them: under a dispatch mode it falls back to eager only for modes that do not
+  say ``ignore_compile_internals()``; both SAC modes say it (``_dynamo/convert_frame.py``,
+  ``utils/_python_dispatch.any_torch_dispatch_mode_on_stack``). Compiling (the first call) runs with
+  the modes switched off, so tracing does not disturb SAC's per-op counters.
+- At run time SAC does not see generated (Triton) kernels: they are rerun in the recompute, which is
+  what we want for element-wise work. It sees the ops the generated code calls through the
+  dispatcher: fallback kernels such as the SDPA kernels (``.default``, kept) and extern GEMMs as
+  ``aten.mm.out`` / ``addmm.out`` / ``bmm.out`` writing into a buffer the generated code allocated.
+  Keeping an ``out=`` op is wrong: the recompute would get the old tensor back while the code reads
+  its new, unwritten buffer (torch raises "Tensor cached during selective activation checkpoint has
+  been mutated"; with ``allow_cache_entry_mutation`` it would be silently wrong). So the policy keeps
+  exact ``.default`` overloads only, never a whole op packet.
+- The price: with compile_dense on, the q/k/v/o projections inside the compiled attention are
+  recomputed (about a tenth of a Mixtral layer's GEMM FLOPs); the attention output is kept. Not chosen:
+  ``torch._inductor.config.wrap_inductor_compiled_regions`` (a global flag) makes each compiled
+  region one op that SAC can keep or recompute as a whole; keeping it keeps all of the region's saved
+  activations (no memory saved on attention), recomputing it reruns its GEMMs anyway.
+- Compiling a whole checkpointed layer would need ``context_fn`` to return two dispatch modes (torch
+  asserts it when it traces a checkpoint); ours returns a plain context for the recompute.
+  compile_dense compiles parts inside the layer, never the layer, so the checkpoint stays eager.
+
+Call order (``parallelize``): expert parallelism, then this, then compile, then FSDP2. transformers'
+hook checkpoints each layer's ``forward``, not ``__call__``, so FSDP2's hooks stay outside the
+recompute and the compiled modules' ``__call__`` stay inside it.
+"""
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
+
+from megablocks_utils.config.inputs import parse_bool
+from megablocks_utils.model.architectures import decoder_layers
+from megablocks_utils.tools.memory import checkpointed_layers
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+# (namespace, op): outputs that "selective" keeps. Exact .default overloads (see the module docstring
+# on out= variants); an op this torch build lacks is skipped.
+_SAVED_OPS = (
+    ("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "baddbmm"),
+    ("aten", "_grouped_mm"), ("aten", "grouped_mm"),
+    ("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_efficient_attention"),
+    ("aten", "_scaled_dot_product_cudnn_attention"), ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    ("aten", "_flash_attention_forward"), ("aten", "_efficient_attention_forward"),
+    # all_to_all_single_autograd's forward reaches a dispatch mode as the plain functional op (its
+    # autograd kernel runs above the mode), so this one entry keeps every all-to-all of the layer.
+    ("_c10d_functional", "all_to_all_single"), ("_c10d_functional_autograd", "all_to_all_single"),
+    ("_c10d_functional", "wait_tensor"),
+)
+
+
+def _resolve(namespace: str, name: str):
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def saved_ops() -> frozenset:
+    """The op overloads whose outputs "selective" keeps (resolved on first use: the collective ops
+    register when torch.distributed._functional_collectives is imported)."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops)
+
+    return frozenset(op for op in (_resolve(ns, name) for ns, name in _SAVED_OPS) if op is not None)
+
+
+def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def _recompute(blocks: list[nn.Module], mode):
+    """The recompute of a layer: under SAC's replay mode (selective) and with router recording paused."""
+    recording = [b.record_router for b in blocks]
+    for b in blocks:
+        b.record_router = False
+    try:
+        with mode:
+            yield
+    finally:
+        for b, r in zip(blocks, recording):
+            b.record_router = r
+
+
+def _contexts(blocks: list[nn.Module], selective: bool):
+    """``context_fn`` of torch.utils.checkpoint: (forward context, recompute context), fresh per call."""
+    if not selective:
+        return contextlib.nullcontext(), _recompute(blocks, contextlib.nullcontext())
+    caching, replaying = create_selective_checkpoint_contexts(_policy)
+    return caching, _recompute(blocks, replaying)
+
+
+def parse_activation_checkpointing(value: str | bool) -> str:
+    """A setting's value as a mode; true/false (older command lines: ``--activation_checkpointing true``)
+    mean "full"/"none"."""
+    flag = parse_bool(value)
+    if flag is not None:
+        return "full" if flag else "none"
+    text = str(value).strip().lower()
+    if text == "":
+        return "none"
+    if text not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(
+            f"activation_checkpointing={value!r} is unknown; choose none, full (recompute each decoder layer) "
+            "or selective (keep GEMM, attention and all-to-all outputs, recompute the rest)"
+        )
+    return text
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1) -> None:
+    """Checkpoint the decoder layers of a transformers model: "none", "full" or "selective", on ``layers``
+    of them spread evenly (``memory.checkpointed_layers``; -1: all). The layers left out keep their
+    activations and recompute nothing: where memory allows, that buys back speed a layer at a time.
+
+    Non-reentrant ``torch.utils.checkpoint`` through transformers' own per-layer hook
+    (``activation_checkpointing_enable``, which passes its kwargs, ``context_fn`` included, to
+    ``checkpoint``). Its ``every_n_layers`` can only checkpoint 1/n of the layers; a count can be any
+    share, so each layer's ``gradient_checkpointing`` flag (the switch transformers' hook reads) is set
+    here. Call it after ``shard_moe`` and before compile and FSDP2. "none" turns an earlier setting off,
+    so a model can be switched between modes (bench/gpu_sac_check.py does).
+    """
+    mode = parse_activation_checkpointing(mode)
+    decoder = decoder_layers(model)
+    if layers < -1 or layers > len(decoder):
+        raise ValueError(f"activation_checkpointing_layers={layers}: give 0..{len(decoder)} decoder layers, or -1 for all")
+    if mode == "none" or layers == 0:
+        if model.is_activation_checkpointing:
+            model.activation_checkpointing_disable()
+        return
+    from megablocks_utils.moe.layer import (
+        ExpertParallelMoE,  # here: the scripts parse the setting before transformers loads
+    )
+
+    blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    context_fn = functools.partial(_contexts, blocks, mode == "selective")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+    chosen = set(checkpointed_layers(len(decoder), layers))
+    for index, layer in enumerate(decoder):
+        layer.gradient_checkpointing = index in chosen
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops run under it by op packet (``counts[torch.ops.aten.mm]``), every overload
+    (``.default``, ``.out``) included. Around ``loss.backward()`` it shows what a backward recomputes:
+    an op whose output SAC kept is replayed from the cache and not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # count what compiled code dispatches at run time; do not push it back to eager
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = getattr(func, "overloadpacket", func)
+        self.counts[packet] = self.counts.get(packet, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def total(self, *packets) -> int:
+        return sum(self.counts.get(p, 0) for p in packets)

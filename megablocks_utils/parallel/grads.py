@@ -1,0 +1,92 @@
+"""Gradients of the global mean loss across two meshes: expert sync and a true global norm clip.
+
+Convention (the same as FSDP's): each rank's loss is ``world_size`` times its share of the global
+mean, and FSDP averages dense gradients over all ranks. An expert's gradient after backward holds
+only its own ep group's tokens, so it must be summed over the dp replicas and divided by
+``world_size`` to match. Under FSDP2 (``parallelize``) the experts' reduce-scatter does that (its
+divide factor is ``world_size``). ``sync_expert_grads`` does it by hand for the FSDP1 path, whose
+experts stay whole and replicated over dp, once per optimizer step (summing is linear, so
+accumulated micro-step gradients can be reduced together).
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megablocks_utils.model.build import expert_parameters
+from megablocks_utils.parallel.mesh import MoEMesh
+
+
+def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
+    """Sum each expert gradient over its dp replicas and divide by world_size (experts not under FSDP)."""
+    params = [p for p in expert_parameters(model) if p.grad is not None]
+    if any(p.device_mesh.ndim > 1 for p in params):
+        raise RuntimeError("these experts are under FSDP, whose reduce-scatter already averages their gradients; "
+                           "sync_expert_grads is for experts that FSDP leaves alone (the FSDP1 path)")
+    grads = [p.grad.to_local() for p in params]
+    if not grads:
+        return
+    groups = mesh.expert_dp_groups()
+    if groups:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of two per layer
+        for group in groups:
+            dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+    for g in grads:
+        g.div_(mesh.world_size)
+
+
+def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.ProcessGroup | None) -> float:
+    """How many ranks hold each element of ``grad``'s local shard (its replication over the world)."""
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        shards = math.prod(mesh.size(i) for i, placement in enumerate(grad.placements) if placement.is_shard())
+        return world_size / shards
+    if sharded_group is not None:
+        return world_size / sharded_group.size()
+    return float(world_size)
+
+
+def clip_grad_norm_(
+    parameters, max_norm: float, foreach: bool | None = None, *, sharded_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip all gradients by their true global 2-norm and return it (a plain fp32 tensor).
+
+    ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP's dense mesh and
+    the experts' mesh). Here each rank squares the norm of its local shards, each divided by the
+    number of ranks that hold the same elements (a DTensor's replicated mesh dims, and the ranks
+    outside its mesh: an ep-only expert is the same on every dp replica), and one all-reduce over
+    all ranks sums them. Plain tensors are taken as replicated on every rank, unless
+    ``sharded_group`` is given: then they are disjoint shards over that group (FSDP1's flat
+    parameters). Norms are taken in fp32 whatever the gradient dtype. Collective: call it on every rank.
+    ``foreach`` is accepted for torch's signature and not used.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = _collective_device(dist.group.WORLD) if world_size > 1 else (grads[0].device if grads else torch.device("cpu"))
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        if local.numel():
+            norm = torch.linalg.vector_norm(local, dtype=torch.float32).to(device)
+            squared = squared + norm.square() / _copies_in_world(g, world_size, sharded_group)
+    if world_size > 1:
+        dist.all_reduce(squared)
+    total = squared.sqrt()
+    if max_norm > 0:
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(clip_coef.to(local.device, local.dtype))
+    return total
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor must be for a collective on ``group``: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

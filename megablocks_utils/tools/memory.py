@@ -1,0 +1,761 @@
+"""Will a training plan fit in GPU memory? An estimate from config.json alone, before any weight is loaded.
+
+    python -m megablocks_utils.tools.memory --model_name_or_path /models/Mixtral-8x7B-v0.1 --nproc 8 --gpu_memory_gib 80 \\
+        --max_length 4096 --per_device_train_batch_size 1 --optim adamw_bf16 --activation_checkpointing full
+
+The layout modelled (docs/memory.md draws it): dense weights FSDP2-sharded over all W ranks (HSDP: over
+W / dp_replicate); experts split over ep (num_experts / ep whole experts per rank) and, with
+``shard_experts``, FSDP2-sharded over dp as well. One decoder layer's weights are gathered in bf16 at a
+time (plus one prefetched); embeddings and lm_head (FSDP's root) stay gathered for the whole step.
+
+The per-GPU peak is
+
+    params + optimizer state + gathered weights + gathered grads + max(grads, activations + logits + accumulated grads) + overhead
+
+Sharded gradients are created during the backward (``zero_grad(set_to_none=True)`` freed them), layer by
+layer as that layer's activations are freed, so the peak holds the larger of the two, not their sum: at
+the start of the backward every activation is alive and no gradient is; at its end the reverse. Except with
+gradient accumulation for the experts' gradients: reduced at every micro-step, they exist from the second
+micro-step on next to its activations, so they are added, and only the dense gradients overlap (docs/memory.md).
+
+Every byte constant is below, named, with its reasoning; they are first estimates from what autograd
+saves, to be calibrated against measured ``max_memory_reserved`` on GPUs (target: within 10%).
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from megablocks_utils.config.inputs import (
+    InputError,
+    check_ep_size,
+    parse_bool,
+    resolve_shard_experts,
+)
+from megablocks_utils.model.architectures import spec_for
+
+GiB = 2**30
+
+# ----------------------------------------------------------------------------- constants (calibrate here)
+# Persistent state, bytes per parameter: (param, grad, optimizer state).
+OPTIM_BYTES = {
+    "adamw_torch": (4, 4, 4 + 4),  # fp32 master, fp32 grad, fp32 exp_avg and exp_avg_sq
+    "adamw_bf16": (2, 2, 2 + 2),  # torchao _AdamW(bf16_stochastic_round=True): everything bf16
+    "adamw_torch_8bit": (4, 4, 1 + 1 + 2 * 4 / 256),  # torchao AdamW8bit: two 8-bit states, an fp32 scale per 256-block each
+}
+COMPUTE_BYTES = 2  # bf16: FSDP's param_dtype, the gathered weight copies and every activation element
+GATHERED_LAYERS = 2  # decoder layers whose weights are gathered at once: the one computing and the one prefetched
+# A layer's gradient before reduce-scatter: as the backward produces it (bf16) and its fp32 copy (reduce_dtype).
+UNSHARDED_GRAD_BYTES = 2 + 4
+# Gradient accumulation with set_requires_gradient_sync(False): FSDP2 keeps every parameter's unsharded
+# gradient, upcast to reduce_dtype (fp32), from the first micro-step until the last one reduce-scatters it.
+ACCUMULATED_GRAD_BYTES = 4
+
+# Activations: bytes per element of the tensor each one names (widths from the config), per token.
+ACT = COMPUTE_BYTES  # a bf16 activation element
+# RMSNorm's saved input. compile_dense (on by default on GPU) compiles the norms, which then save only their
+# bf16 input and a per-row fp32 1/rms; an eager transformers RMSNorm saves the fp32 upcast and the bf16
+# normalised value instead (6 per element).
+NORM_SAVED = 2
+NORM_ROW = 4  # fp32 1/rms per row
+SDPA_LSE = 4  # flash / memory-efficient SDPA keeps q, k, v, the output and an fp32 logsumexp per head
+ROUTER_PROB = 4  # fp32 softmax over all experts, per expert (also kept for the load-balancing loss)
+ROUTED_COPY_INDEX = 3 * 8 + 2 * 4  # per token copy: int64 expert, sort order and copy row; fp32 weight (+ renormalised)
+# Rows an ep rank's experts receive, relative to the average (k per token): routers are not balanced, and
+# the busiest rank sets the peak. Applies to the grouped-GEMM side (rows in, gate_up out, SwiGLU out).
+EXPERT_LOAD_IMBALANCE = 1.25
+# Gradients of the layer being differentiated (and the element-wise recomputes feeding them), in units of
+# that layer's activations saved without checkpointing. Largest term: SwiGLU's backward holds the gradient
+# of gate_up [rows, 2I] next to the saved gate_up.
+BACKWARD_WORKING_LAYERS = 0.5
+# Per token per vocabulary entry: bf16 logits (lm_head output, kept by the training loop), the fp32 log-probs
+# cross-entropy saves after its upcast, and their gradient in fp32, then bf16.
+LOGITS_BYTES = 2 + 4 + 4 + 2
+
+# Not visible to torch's allocator counts, or not modelled term by term: CUDA context, NCCL communicators and
+# their buffers, cuBLAS workspaces, compiled kernels (fixed); and the caching allocator's fragmentation
+# (a fraction of everything else).
+# Checked against GPU peaks, no fitted factor (2026-11-23): 4 x H200, Mixtral-8x7B width, ep 4, adamw_bf16,
+# seq 4096, micro batch 1 x 4, selective checkpointing (bench/full_size.sh emul16, 2026-11-22, experts then under
+# FSDP at dp = 1): 16 layers estimated 73.3 GiB for that layout (71.2 for today's, experts left out), measured
+# 71.8 GiB allocated; 32 layers estimated 135.0 (132.9), and that run ran out of memory at 132 GiB allocated on a
+# 139.8 GiB GPU, so there the estimate is low by some percent (not measured how many).
+# One H100, gpt-oss-20b's shape cut to 4 layers, adamw_bf16, no checkpointing, 1 x 2048 x 4 (bench/gpu_gpt_oss.sh,
+# 2026-11-23): estimated 44.4 GiB, measured 44.7 allocated. (An earlier version scaled the kept activations by
+# 1.66 to fit the 4 x H200 points; the term it stood in for was the expert gradients that live across micro-steps,
+# now counted in ``_estimate``.)
+OVERHEAD_BYTES = 3 * GiB
+FRAGMENTATION = 0.05
+
+# ----------------------------------------------------------------------------- settings
+CHECKPOINTING = ("none", "selective", "full")  # weakest to strongest
+# The training scripts' defaults (train_fsdp2.py's settings block); tests/test_memory.py checks they agree.
+DEFAULTS = dict(
+    ep_size=0,
+    optim="adamw_torch",
+    shard_experts="auto",
+    dp_replicate=1,
+    nproc_per_node=8,
+    max_length=256,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    activation_checkpointing="none",
+    activation_checkpointing_layers=-1,
+)
+
+
+def checkpointed_layers(num_layers: int, count: int) -> list[int]:
+    """The decoder layers ``activation_checkpointing_layers = count`` checkpoints: ``count`` of the
+    ``num_layers``, spread evenly (every other one for half); -1 (or ``count >= num_layers``): all.
+    Here, not in checkpointing.py, so the fit check (no torch) plans the layers the scripts checkpoint."""
+    if count < 0 or count >= num_layers:
+        return list(range(num_layers))
+    return [i for i in range(num_layers) if i * count // num_layers != (i + 1) * count // num_layers]
+
+
+def checkpointing_mode(setting) -> str:
+    """``activation_checkpointing`` as the scripts give it (a bool, or none/selective/full) -> a mode name."""
+    flag = parse_bool(setting)
+    if flag is not None:
+        return "full" if flag else "none"
+    text = str(setting).lower()
+    if text not in CHECKPOINTING:
+        raise InputError(f"activation_checkpointing={setting!r} is unknown; choose none, selective or full (true = full, false = none)")
+    return text
+
+
+# ----------------------------------------------------------------------------- the model's shape
+def load_config(config_or_dir):
+    """A transformers config from a config object, a config.json dict, or a model directory (reads only config.json)."""
+    if not isinstance(config_or_dir, (str, os.PathLike, dict)):
+        return config_or_dir
+    values = config_or_dir
+    name = values.get("_name_or_path", "") if isinstance(values, dict) else ""
+    if not isinstance(values, dict):
+        path = os.path.join(config_or_dir, "config.json")
+        name = os.path.basename(os.path.normpath(config_or_dir))
+        if not os.path.isfile(path):
+            raise InputError(f"{path} does not exist; point --model_name_or_path at a Hugging Face model directory")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{path} is not valid JSON ({e}); re-download or re-save the model") from e
+        if not isinstance(values, dict):
+            raise InputError(f"{path} holds a {type(values).__name__}, not a JSON object of config fields")
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    try:
+        spec_for(type("Config", (), {"model_type": model_type}))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    from transformers import AutoConfig  # lazily: importing this module stays light
+
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"config.json of {name or model_type} does not make a {model_type} config: {e}") from e
+    config._memory_name = name
+    return config
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model (global, not a rank's share)."""
+
+    total: int
+    dense: int  # all but the routed experts: attention, norms, routers, shared/dense MLPs, embeddings, lm_head
+    expert: int  # routed experts of every MoE layer
+    active: int  # what one token passes through (embeddings included, as model cards count)
+    root: int  # embeddings, final norm and lm_head: FSDP's root, gathered for the whole step
+    dense_layer: int  # the largest decoder layer's dense parameters (gathered one layer at a time)
+    expert_layer: int  # one MoE layer's routed experts, all of them
+    moe_layers: int  # how many decoder layers hold an MoE block
+    num_experts: int
+    top_k: int
+    hidden: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    num_experts: int
+    top_k: int
+    expert_inter: int  # routed expert width
+    moe_layers: tuple  # which layers hold an MoE block (the others a dense MLP of dense_inter)
+    dense_inter: int
+    shared_inter: int  # always-on MLP next to the experts in MoE layers (0: none)
+    shared_gate: bool  # Qwen2-MoE: sigmoid(Linear(H, 1)) on the shared expert
+    qk_norm: str | None
+    mla: tuple | None  # DeepSeek's latent attention: (q_lora_rank or None, kv_lora_rank, rope dim, nope dim, v dim)
+    qkv_bias: bool
+    o_bias: bool
+    tied: bool
+    expert_bias: bool = False  # gpt-oss: per-expert biases (2I + H), a router bias (E) and attention sinks (one per head)
+    router_bias: bool = False
+    sinks: bool = False
+
+
+def _shape(config) -> _Shape:
+    spec = spec_for(config)
+    hidden, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    num_experts = getattr(config, spec.num_experts_attr)
+    # Qwen-style configs can make some layers dense: listed in mlp_only_layers, or off the decoder_sparse_step.
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    # DeepSeek-style configs make the first N layers dense (spec.dense_layers_attr).
+    first_moe = (getattr(config, spec.dense_layers_attr, 0) or 0) if spec.dense_layers_attr else 0
+    moe_layers = tuple(
+        i for i in range(first_moe, layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+    )
+    shared_inter = getattr(config, spec.shared_intermediate_attr, 0) or 0 if spec.shared_intermediate_attr else 0
+    if spec.shared_count_attr:  # DeepSeek: n_shared_experts experts of moe_intermediate_size, as one MLP
+        shared_inter *= getattr(config, spec.shared_count_attr, 1) or 0
+    mla = None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if spec.attention == "mla":
+        mla = (config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim)
+        head_dim, kv_heads = config.qk_rope_head_dim + config.qk_nope_head_dim, heads  # for the activation estimate
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return _Shape(
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=config.vocab_size,
+        num_experts=num_experts,
+        top_k=getattr(config, spec.top_k_attr),
+        expert_inter=getattr(config, spec.intermediate_attr),
+        moe_layers=moe_layers,
+        dense_inter=getattr(config, "intermediate_size", 0),
+        shared_inter=shared_inter,
+        shared_gate=spec.shared_gate_attr is not None and shared_inter > 0,
+        qk_norm=spec.qk_norm or ("per_head" if getattr(config, "use_qk_norm", False) else None),  # GLM-4.5's switch
+        mla=mla,
+        # Qwen2-MoE: qkv_bias on q, k, v; the others: attention_bias on all four projections (GLM-4.5: q, k, v).
+        qkv_bias=bool(getattr(config, "qkv_bias", attention_bias)),
+        o_bias=attention_bias and spec.o_proj_bias,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        expert_bias=spec.expert_bias,
+        router_bias=spec.router_bias,
+        sinks=spec.attention_sinks,
+    )
+
+
+def _attention_params(s: _Shape) -> int:
+    if s.mla is not None:
+        return _mla_params(s)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    weights = s.hidden * q + 2 * s.hidden * kv + q * s.hidden
+    biases = (q + 2 * kv if s.qkv_bias else 0) + (s.hidden if s.o_bias else 0)
+    qk_norm = {"per_head": 2 * s.head_dim, "all_heads": q + kv, None: 0}[s.qk_norm]
+    sinks = s.heads if s.sinks else 0
+    return weights + biases + qk_norm + sinks + 2 * s.hidden  # + input and post-attention RMSNorm
+
+
+def _mla_params(s: _Shape) -> int:
+    """DeepSeek's latent attention: q through a rank-q_lora bottleneck (or one projection), k and v through
+    one shared rank-kv_lora latent plus a rope key; attention_bias on the down projections and o_proj."""
+    q_lora, kv_lora, rope, nope, v = s.mla
+    bias = s.o_bias
+    qk = s.heads * (rope + nope)
+    q = s.hidden * qk if q_lora is None else s.hidden * q_lora + (q_lora if bias else 0) + q_lora + q_lora * qk
+    kv = s.hidden * (kv_lora + rope) + ((kv_lora + rope) if bias else 0) + kv_lora + kv_lora * s.heads * (nope + v)
+    o = s.heads * v * s.hidden + (s.hidden if bias else 0)
+    return q + kv + o + 2 * s.hidden  # + input and post-attention RMSNorm
+
+
+def count_params(config) -> ParamCounts:
+    """Parameter counts from the config's fields and the model table (no weights, no model built)."""
+    s = _shape(config)
+    attention = _attention_params(s)
+    per_expert = 3 * s.hidden * s.expert_inter + (2 * s.expert_inter + s.hidden if s.expert_bias else 0)  # gate, up, down
+    moe_dense = s.num_experts * (s.hidden + (1 if s.router_bias else 0)) + 3 * s.hidden * s.shared_inter + (s.hidden if s.shared_gate else 0)  # router, shared MLP
+    dense_mlp = 3 * s.hidden * s.dense_inter
+    n_moe = len(s.moe_layers)
+    n_dense = s.layers - n_moe
+    root = s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
+    dense = root + s.layers * attention + n_moe * moe_dense + n_dense * dense_mlp
+    expert = n_moe * s.num_experts * per_expert
+    return ParamCounts(
+        total=dense + expert,
+        dense=dense,
+        expert=expert,
+        active=dense + n_moe * s.top_k * per_expert,
+        root=root,
+        dense_layer=attention + max(moe_dense if n_moe else 0, dense_mlp if n_dense else 0),
+        expert_layer=s.num_experts * per_expert if n_moe else 0,
+        moe_layers=n_moe,
+        num_experts=s.num_experts,
+        top_k=s.top_k,
+        hidden=s.hidden,
+        vocab=s.vocab,
+    )
+
+
+# ----------------------------------------------------------------------------- activations
+def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
+    """Bytes one token's activations in one decoder layer hold until its backward ("none": what autograd
+    saves; "selective": matmul, grouped-GEMM, communication and attention outputs; "full": the layer input)."""
+    h, k = s.hidden, s.top_k
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    if mode == "full":
+        return ACT * h
+    qk_norm_elems = {"per_head": q + kv, "all_heads": q + kv, None: 0}[s.qk_norm]
+    sdpa = ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads  # q, k, v (after rotary), output, logsumexp
+    if moe:
+        router = ROUTER_PROB * s.num_experts + ROUTED_COPY_INDEX * k
+        rows_in, gate_up, swiglu = ACT * k * h, ACT * k * 2 * s.expert_inter, ACT * k * s.expert_inter
+        back_home = ACT * k * h  # expert outputs returned by the all-to-all, saved by the weighted sum
+        mlp_inter = s.shared_inter
+        gate = ACT * (h + 1) if s.shared_gate else 0  # sigmoid(gate) * shared: the shared output and the gate
+    else:
+        router = rows_in = gate_up = swiglu = back_home = gate = 0
+        mlp_inter = s.dense_inter
+    if mode == "none":
+        norms = 2 * (NORM_SAVED * h + NORM_ROW + ACT * h)  # each norm's input and its output (the next matmul's input)
+        attention = NORM_SAVED * qk_norm_elems + sdpa + ACT * q  # + o_proj's input (the output made contiguous)
+        experts = EXPERT_LOAD_IMBALANCE * (rows_in + gate_up + swiglu) + back_home
+        mlp = ACT * 4 * mlp_inter + gate  # gate and up outputs, silu(gate), their product
+        return norms + attention + router + experts + mlp
+    # selective: element-wise work (norms, rotary, SwiGLU, residual adds, weighting) is recomputed
+    inputs = ACT * h + ACT * h  # the layer input and o_proj's output (from which the residual is recomputed)
+    experts = EXPERT_LOAD_IMBALANCE * (rows_in + gate_up) + back_home
+    mlp = ACT * 2 * mlp_inter + (ACT * h if mlp_inter else 0)  # gate and up outputs, down's output
+    return inputs + ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads + router + experts + mlp + gate
+
+
+def _checkpointed(s: _Shape, mode: str, checkpointed: int) -> set[int]:
+    return set(checkpointed_layers(s.layers, checkpointed)) if mode != "none" else set()
+
+
+def _uncheckpointed_moe_layers(config, mode: str, checkpointed: int) -> int:
+    s = _shape(config)
+    chosen = _checkpointed(s, mode, checkpointed)
+    return sum(1 for i in range(s.layers) if i in s.moe_layers and i not in chosen)
+
+
+def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1) -> float:
+    """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart), with
+    ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest."""
+    s = _shape(config)
+    is_moe = [i in s.moe_layers for i in range(s.layers)]
+    chosen = _checkpointed(s, mode, checkpointed)
+    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else "none") for i, moe in enumerate(is_moe))
+    full_layer = max(_layer_activation_bytes(s, moe, "none") for moe in set(is_moe))
+    recompute = 0.0  # the layer whose backward runs, recomputed to its "none" activations
+    recomputed = {is_moe[i] for i in chosen}
+    if mode == "full" and recomputed:
+        recompute = max(_layer_activation_bytes(s, moe, "none") for moe in recomputed)
+    elif mode == "selective" and recomputed:
+        recompute = max(_layer_activation_bytes(s, moe, "none") - _layer_activation_bytes(s, moe, "selective") for moe in recomputed)
+    final_norm = NORM_SAVED * s.hidden + NORM_ROW + ACT * s.hidden  # and its output, lm_head's input
+    return tokens * (kept + recompute + BACKWARD_WORKING_LAYERS * full_layer + final_norm)
+
+
+# ----------------------------------------------------------------------------- the estimate
+@dataclass(frozen=True)
+class Plan:
+    """The settings an estimate was made for (``ep_size`` and ``shard_experts`` as given)."""
+
+    world_size: int
+    ep_size: int
+    optim: str
+    shard_experts: object
+    dp_replicate: int
+    nproc_per_node: int
+    max_length: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: object
+    activation_checkpointing_layers: int = -1  # how many decoder layers it applies to (-1: all)
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak bytes per GPU, by kind (see the module docstring for how they add up)."""
+
+    name: str
+    plan: Plan
+    counts: ParamCounts
+    ep: int  # the resolved expert-parallel degree
+    shard_experts: bool  # resolved
+    checkpointing: str  # resolved mode
+    checkpointed: int  # decoder layers it applies to (0 with mode "none")
+    params: float
+    grads: float
+    optimizer_state: float
+    gathered_weights: float  # bf16 copies: the root for the whole step, GATHERED_LAYERS layers' dense weights and local experts
+    gathered_grads: float  # unsharded gradients of the layer being reduce-scattered, and the root's lm_head gradient
+    accumulated_grads: float  # unsharded fp32 gradients kept across micro-steps without gradient sync
+    activations: float
+    logits: float
+    overhead: float
+    total: float
+    config: object = None
+    fsdp: bool = True  # False: one rank with bf16 weights (parallelize.needs_fsdp), gradients accumulated in place
+    expert_grads_persist: bool = False  # expert gradients live across micro-steps, next to the activations
+
+    def describe(self) -> str:
+        p = self.plan
+        lines = [
+            f"{self.name}: {self.counts.total / 1e9:.2f} B params ({self.counts.active / 1e9:.2f} B active; "
+            f"{self.counts.expert / 1e9:.2f} B in {self.counts.num_experts} experts x {self.counts.moe_layers} layers, top-{self.counts.top_k})",
+            f"plan: {p.world_size} GPUs, ep {self.ep} x dp {p.world_size // self.ep}"
+            + (f" (dp_replicate {p.dp_replicate})" if p.dp_replicate > 1 else "")
+            + f", shard_experts {str(self.shard_experts).lower()}, optim {p.optim}, micro batch {p.per_device_train_batch_size}"
+            f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
+            f"{checkpointing_text(self)}",
+            "per GPU                GiB",
+        ]
+        for label, value in [
+            ("params", self.params),
+            ("optimizer state", self.optimizer_state),
+            ("gathered weights", self.gathered_weights),
+            ("gathered grads", self.gathered_grads),
+            ("grads (sharded)", self.grads),
+            ("activations", self.activations),
+            ("logits", self.logits),
+            ("accumulated grads", self.accumulated_grads),
+            ("overhead", self.overhead),
+        ]:
+            lines.append(f"  {label:<19}{value / GiB:7.1f}")
+        if not self.fsdp and p.gradient_accumulation_steps > 1:
+            why = "no FSDP on one rank: grads accumulate in place and meet the next micro-step's activations + logits"
+        elif self.expert_grads_persist:
+            why = ("expert grads live across micro-steps, next to activations + logits + accumulated grads; dense grads "
+                   "overlap those: the larger counts")
+        else:
+            why = "grads overlap activations + logits + accumulated grads: the larger counts"
+        lines.append(f"  {'peak':<19}{self.total / GiB:7.1f}   ({why})")
+        return "\n".join(lines)
+
+
+def estimate_memory(
+    config_or_dir,
+    *,
+    world_size: int,
+    ep_size: int = DEFAULTS["ep_size"],
+    optim: str = DEFAULTS["optim"],
+    shard_experts="auto",
+    dp_replicate: int = 1,
+    nproc_per_node: int = 8,
+    max_length: int,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    activation_checkpointing="none",
+    activation_checkpointing_layers: int = -1,
+) -> MemoryEstimate:
+    """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
+    config = load_config(config_or_dir)
+    plan = Plan(
+        world_size=world_size,
+        ep_size=ep_size,
+        optim=optim,
+        shard_experts=shard_experts,
+        dp_replicate=dp_replicate,
+        nproc_per_node=nproc_per_node,
+        max_length=max_length,
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_layers=activation_checkpointing_layers,
+    )
+    return _estimate(config, plan)
+
+
+def check_checkpointed_layers(count, num_layers: int) -> int:
+    """``activation_checkpointing_layers`` checked against the model's decoder layers; -1 -> ``num_layers``."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < -1:
+        raise InputError(f"activation_checkpointing_layers={count!r} must be -1 (every decoder layer) or a count of layers, 0..{num_layers}")
+    if count > num_layers:
+        raise InputError(
+            f"activation_checkpointing_layers={count} but the model has {num_layers} decoder layers; give 0..{num_layers}, or -1 for all"
+        )
+    return num_layers if count == -1 else count
+
+
+def checkpointing_text(e: "MemoryEstimate") -> str:
+    """"full", or "full on 16 of 32 layers" where only some layers are checkpointed."""
+    layers = e.config.num_hidden_layers
+    if e.checkpointing == "none" or e.checkpointed == layers:
+        return e.checkpointing
+    return f"{e.checkpointing} on {e.checkpointed} of {layers} layers"
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"{name}={value!r} must be a positive integer")
+
+
+def _estimate(config, plan: Plan) -> MemoryEstimate:
+    for name in ("world_size", "dp_replicate", "nproc_per_node", "max_length", "per_device_train_batch_size", "gradient_accumulation_steps"):
+        _positive(name, getattr(plan, name))
+    if plan.optim not in OPTIM_BYTES:
+        raise InputError(f"optim={plan.optim!r} is unknown; choose one of {', '.join(OPTIM_BYTES)}")
+    spec = spec_for(config)
+    counts = count_params(config)
+    w = plan.world_size
+    ep = check_ep_size(plan.ep_size, w, counts.num_experts, spec.num_experts_attr)
+    dp = w // ep
+    r = plan.dp_replicate
+    if dp % r != 0:
+        raise InputError(
+            f"dp_replicate={r} must divide dp = world_size / ep_size = {w} / {ep} = {dp} (experts are sharded over "
+            f"dp / dp_replicate); choose dp_replicate in {[d for d in range(1, dp + 1) if dp % d == 0]}"
+        )
+    shard = resolve_shard_experts(plan.shard_experts, w, plan.nproc_per_node)
+    mode = checkpointing_mode(plan.activation_checkpointing)
+    checkpointed = check_checkpointed_layers(plan.activation_checkpointing_layers, config.num_hidden_layers)
+    if mode == "none":
+        checkpointed = 0
+
+    dense_shards = w // r  # HSDP: sharded over W / R, replicated over R
+    expert_shards = ep * (dp // r) if shard else ep
+    local_params = counts.dense / dense_shards + counts.expert / expert_shards
+    param_b, grad_b, state_b = OPTIM_BYTES[plan.optim]
+
+    local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
+    lm_head = counts.vocab * counts.hidden  # its gradient: from the first step of the backward to the root's reduce-scatter
+    if dp > 1:  # experts under FSDP (parallelize.experts_need_fsdp)
+        gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * (counts.dense_layer + local_experts_layer))
+        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + UNSHARDED_GRAD_BYTES * local_experts_layer + COMPUTE_BYTES * lm_head
+    else:  # left out: nothing gathered, their gradients land in place
+        casts = 0.0
+        if param_b != COMPUTE_BYTES:  # fp32 weights: the layer's bf16 cast is saved for the backward of each layer not
+            # checkpointed, and exists for one checkpointed layer at a time (its recompute)
+            kept = _uncheckpointed_moe_layers(config, mode, checkpointed) + (1 if mode != "none" and checkpointed else 0)
+            casts = COMPUTE_BYTES * local_experts_layer * kept
+        gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer) + casts
+        # one layer's bf16 gradient as the backward makes it, and its copy divided by world size in the weights'
+        # dtype (the backward of the layer's cast, moe_layer._CastDivided), before it is added in place
+        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + (COMPUTE_BYTES + grad_b) * local_experts_layer + COMPUTE_BYTES * lm_head
+    accumulated = 0.0
+    if plan.gradient_accumulation_steps > 1:
+        # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts replicated over
+        # dp. Others are reduced at every micro-step (parallelize.set_gradient_sync).
+        replicated = not shard and dp > 1
+        accumulated = ACCUMULATED_GRAD_BYTES * (counts.dense + (counts.expert / ep if replicated else 0))
+
+    tokens = plan.per_device_train_batch_size * plan.max_length
+    activations = activation_bytes(config, tokens, mode, checkpointed)
+    logits = LOGITS_BYTES * tokens * counts.vocab
+    params, grads, state = param_b * local_params, grad_b * local_params, state_b * local_params
+    during_backward = max(grads, activations + logits + accumulated)
+    expert_grads_persist = plan.gradient_accumulation_steps > 1 and (shard or dp == 1)  # reduced at every micro-step
+    if expert_grads_persist:
+        # Expert gradients are reduced into their sharded gradients at every micro-step (or accumulate there in
+        # place, experts left out of FSDP), so from the second micro-step on they exist next to its activations.
+        expert_grads = grad_b * counts.expert / expert_shards
+        during_backward = expert_grads + max(grads - expert_grads, activations + logits + accumulated)
+    fsdp = not (w == 1 and param_b == COMPUTE_BYTES)
+    if not fsdp:
+        # parallelize.needs_fsdp: one rank with bf16 weights has no FSDP, so nothing is gathered or reduced; the
+        # gradients accumulate in place from the first micro-step, so from the second on they meet the activations.
+        gathered_weights = gathered_grads = accumulated = 0.0
+        during_backward = grads + activations + logits if plan.gradient_accumulation_steps > 1 else max(grads, activations + logits)
+    allocated = params + state + gathered_weights + gathered_grads + during_backward
+    overhead = OVERHEAD_BYTES + FRAGMENTATION * allocated
+    return MemoryEstimate(
+        name=getattr(config, "_memory_name", "") or getattr(config, "_name_or_path", "") or config.model_type,
+        plan=plan,
+        counts=counts,
+        ep=ep,
+        shard_experts=shard,
+        checkpointing=mode,
+        checkpointed=checkpointed,
+        params=params,
+        grads=grads,
+        optimizer_state=state,
+        gathered_weights=gathered_weights,
+        gathered_grads=gathered_grads,
+        accumulated_grads=accumulated,
+        activations=activations,
+        logits=logits,
+        overhead=overhead,
+        total=allocated + overhead,
+        config=config,
+        fsdp=fsdp,
+        expert_grads_persist=expert_grads_persist and fsdp,
+    )
+
+# ----------------------------------------------------------------------------- does it fit, and what would
+MAX_NODES_SUGGESTED = 128  # how far fit_error looks for a GPU count that fits
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _settings_text(e: MemoryEstimate) -> str:
+    p = e.plan
+    return (
+        f"{p.world_size} GPUs, ep {e.ep}, optim {p.optim}, shard_experts {str(e.shard_experts).lower()}, "
+        f"activation_checkpointing {checkpointing_text(e)}, micro batch {p.per_device_train_batch_size} x {p.max_length} tokens"
+        + (f", gradient_accumulation_steps {p.gradient_accumulation_steps}" if p.gradient_accumulation_steps > 1 else "")
+    )
+
+
+def _try(e: MemoryEstimate, **changes) -> MemoryEstimate | None:
+    try:
+        return _estimate(e.config, replace(e.plan, **changes))
+    except InputError:
+        return None
+
+
+def _fewest_checkpointed(e: MemoryEstimate, budget: float, mode: str, start: int = 1) -> int | None:
+    """The fewest decoder layers, from ``start``, that ``mode`` must checkpoint for the plan to fit ``budget``."""
+    for count in range(start, e.config.num_hidden_layers + 1):
+        alt = _try(e, activation_checkpointing=mode, activation_checkpointing_layers=count)
+        if alt is not None and alt.total <= budget:
+            return count
+    return None
+
+
+def checkpointing_hint(estimate: MemoryEstimate, gpu_memory_bytes: float, use: float = 0.9) -> str | None:
+    """Where checkpointing is on and fewer checkpointed layers would still fit in ``use`` of the GPU (the
+    estimate's margin), a line saying how many: each layer left out recomputes nothing and runs faster."""
+    if estimate.checkpointing == "none":
+        return None
+    count = _fewest_checkpointed(estimate, use * gpu_memory_bytes, estimate.checkpointing, start=0)
+    if count is None or count >= estimate.checkpointed:
+        return None
+    alt = _try(estimate, activation_checkpointing_layers=count)
+    within = f"(estimated {_gib(alt.total)}, within {use:.0%} of the GPU's {_gib(gpu_memory_bytes)})"
+    if count == 0:
+        return f"activation checkpointing: none would fit {within}; --activation_checkpointing none recomputes nothing and runs faster"
+    return (
+        f"activation checkpointing: {count} of {estimate.config.num_hidden_layers} layers would be enough {within}; "
+        f"--activation_checkpointing_layers {count} recomputes fewer layers and runs faster"
+    )
+
+
+def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
+    """One-setting changes that fit, each with its estimate; then the fewest GPUs that fit as planned."""
+    p = e.plan
+    found = []
+
+    def offer(flag: str, **changes) -> bool:
+        alt = _try(e, **changes)
+        if alt is not None and alt.total <= budget:
+            found.append(f"{flag} ({_gib(alt.total)})")
+            return True
+        return False
+
+    for optim in OPTIM_BYTES:
+        if optim != p.optim:
+            offer(f"--optim {optim}", optim=optim)
+    layers = e.config.num_hidden_layers
+    for mode in CHECKPOINTING[max(1, CHECKPOINTING.index(e.checkpointing)) :]:
+        # the fewest checkpointed layers that fit (the fastest), more than today's where the mode is today's
+        start = e.checkpointed + 1 if mode == e.checkpointing else 1
+        count = _fewest_checkpointed(e, budget, mode, start)
+        if count is not None:
+            flag = f"--activation_checkpointing {mode}" + (f" --activation_checkpointing_layers {count}" if count < layers else "")
+            offer(flag, activation_checkpointing=mode, activation_checkpointing_layers=-1 if count == layers else count)
+    for batch in range(p.per_device_train_batch_size - 1, 0, -1):  # the largest that fits
+        if offer(f"--per_device_train_batch_size {batch}", per_device_train_batch_size=batch):
+            break
+    if p.gradient_accumulation_steps > 1:
+        offer("--gradient_accumulation_steps 1", gradient_accumulation_steps=1)
+    if not e.shard_experts:
+        offer("--shard_experts true", shard_experts=True)
+    if not found:  # no single change is enough: all of them at once
+        smallest = min(OPTIM_BYTES, key=lambda o: sum(OPTIM_BYTES[o]))
+        now = dict(optim=p.optim, activation_checkpointing=e.checkpointing, per_device_train_batch_size=p.per_device_train_batch_size,
+                   gradient_accumulation_steps=p.gradient_accumulation_steps, shard_experts=e.shard_experts)
+        least = dict(optim=smallest, activation_checkpointing="full", per_device_train_batch_size=1, gradient_accumulation_steps=1, shard_experts=True)
+        together = {k: v for k, v in least.items() if v != now[k]}
+        if together:
+            offer(" ".join(f"--{k} {str(v).lower()}" for k, v in together.items()), **together)
+    nproc = p.nproc_per_node
+    for world in range(nproc * (p.world_size // nproc + 1), nproc * MAX_NODES_SUGGESTED + 1, nproc):
+        # ep as given if it still divides; with ep_size 0 (all ranks) or one that does not, keep today's ep.
+        alt = _try(e, world_size=world) or _try(e, world_size=world, ep_size=e.ep)
+        if alt is not None and alt.total <= budget:
+            keep_ep = f" with --ep_size {alt.ep}" if alt.ep != world and p.ep_size == 0 else ""
+            found.append(f"{world} GPUs ({world // nproc} nodes of {nproc}){keep_ep} ({_gib(alt.total)})")
+            break
+    return found
+
+
+def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
+    """None if the estimate fits in ``gpu_memory_bytes`` per GPU; else what does not fit and settings that would."""
+    if estimate.total <= gpu_memory_bytes:
+        return None
+    alternatives = _alternatives(estimate, gpu_memory_bytes)
+    fixes = "; ".join(alternatives) if alternatives else f"none found up to {MAX_NODES_SUGGESTED} nodes"
+    return (
+        f"{estimate.name} needs about {_gib(estimate.total)} per GPU ({_settings_text(estimate)}), more than the "
+        f"{_gib(gpu_memory_bytes)} each GPU has. Settings that fit: {fixes}. "
+        f"Breakdown: python -m megablocks_utils.tools.memory (docs/memory.md)"
+    )
+
+
+# ----------------------------------------------------------------------------- command line
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the usage too)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m megablocks_utils.tools.memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--model_name_or_path", required=True, help="model directory; only its config.json is read")
+    parser.add_argument("--nproc", type=int, required=True, help="GPUs in the job (world size)")
+    parser.add_argument("--gpu_memory_gib", type=float, required=True, help="memory of one GPU, GiB")
+    parser.add_argument("--nproc_per_node", type=int, default=DEFAULTS["nproc_per_node"])
+    parser.add_argument("--ep_size", type=int, default=DEFAULTS["ep_size"], help="0 = all ranks")
+    parser.add_argument("--optim", default=DEFAULTS["optim"], choices=list(OPTIM_BYTES))
+    parser.add_argument("--max_length", type=int, default=DEFAULTS["max_length"])
+    parser.add_argument("--per_device_train_batch_size", type=int, default=DEFAULTS["per_device_train_batch_size"])
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=DEFAULTS["gradient_accumulation_steps"])
+    parser.add_argument("--activation_checkpointing", default=DEFAULTS["activation_checkpointing"], help="none, selective, full (true = full, false = none)")
+    parser.add_argument("--activation_checkpointing_layers", type=int, default=DEFAULTS["activation_checkpointing_layers"],
+                        help="how many decoder layers to checkpoint, spread evenly; -1 = all")
+    parser.add_argument("--shard_experts", default=DEFAULTS["shard_experts"], help="auto, true or false")
+    parser.add_argument("--dp_replicate", type=int, default=DEFAULTS["dp_replicate"])
+    args = parser.parse_args(argv)
+    if not args.gpu_memory_gib > 0:
+        parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
+    try:
+        estimate = estimate_memory(
+            args.model_name_or_path,
+            world_size=args.nproc,
+            ep_size=args.ep_size,
+            optim=args.optim,
+            shard_experts=args.shard_experts,
+            dp_replicate=args.dp_replicate,
+            nproc_per_node=args.nproc_per_node,
+            max_length=args.max_length,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing_layers=args.activation_checkpointing_layers,
+        )
+    except InputError as e:
+        parser.error(str(e))
+    print(estimate.describe())
+    error = fit_error(estimate, args.gpu_memory_gib * GiB)
+    if error:
+        print(error)
+    hint = None if error else checkpointing_hint(estimate, args.gpu_memory_gib * GiB)
+    if hint:
+        print(hint)
+    print(f"GPU memory: {args.gpu_memory_gib:.1f} GiB per GPU")
+    print("fits: no" if error else "fits: yes")
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
