@@ -117,3 +117,54 @@ def test_weight_decay_skips_what_trainer_skips(arch):
         assert len(parameter_groups(swapped, experts, weight_decay=0.0)) == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_adamw_bf16_is_torchaos_update_in_fewer_calls():
+    """Without its rounding noise, AdamWBF16 gives torchao's _AdamW(bf16_stochastic_round=False) bits exactly, over
+    more tensors than one compiled call takes (two chunks), three steps, with and without weight decay, as the
+    learning rate changes; with the noise, each weight lands on one of its two bf16 neighbours of that update."""
+    import torchao.optim
+
+    from megablocks_utils.train import adamw_bf16
+
+    torch.manual_seed(0)
+    shapes = [(7, 5), (64,), (3, 4, 6), (1,), (33,)] * 4  # 20 tensors: a chunk of 16 and one of 4
+    assert len(shapes) > adamw_bf16.CHUNK
+    start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    grads = [[torch.randn(s).to(torch.bfloat16) for s in shapes] for _ in range(3)]
+
+    def run(make, lrs=(1e-2, 5e-3, 2e-3)):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = make([{"params": params[:10]}, {"params": params[10:], "weight_decay": 0.0}])
+        for step, lr in enumerate(lrs):
+            for group in optimizer.param_groups:
+                group["lr"].fill_(lr) if isinstance(group["lr"], torch.Tensor) else group.update(lr=lr)
+            for p, g in zip(params, grads[step]):
+                p.grad = g.clone()
+            optimizer.step()
+        return [p.detach() for p in params], optimizer
+
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours, optimizer = run(lambda g: adamw_bf16.AdamWBF16(g, stochastic_round=False, **kwargs))
+    theirs, reference = run(lambda g: torchao.optim._AdamW(g, bf16_stochastic_round=False, **kwargs))
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b), (i, shapes[i], (a.float() - b.float()).abs().max())
+    for p_ours, p_ref in zip(optimizer.param_groups[0]["params"], reference.param_groups[0]["params"]):
+        for name in ("exp_avg", "exp_avg_sq", "step"):  # the same state, so checkpoints carry over
+            assert torch.equal(optimizer.state[p_ours][name], reference.state[p_ref][name]), name
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+    from megablocks_utils.train.adamw_bf16 import _round_stochastic
+
+    x = torch.full((200_000,), 1.0 + 2**-10, dtype=torch.float32)  # 1/8 of a bf16 ulp (2**-7) above 1.0
+    x[100_000:] *= -1
+    rounded = _round_stochastic(x).float()
+    up, down = 1.0 + 2**-7, 1.0
+    assert set(rounded[:100_000].unique().tolist()) == {down, up}
+    assert set(rounded[100_000:].unique().tolist()) == {-down, -up}
+    share_up = (rounded[:100_000] == up).float().mean().item()
+    assert abs(share_up - 1 / 8) < 0.01, share_up  # rounds up with the probability of the dropped fraction
+    assert abs(rounded.abs().mean().item() - (1.0 + 2**-10)) < 2e-4
+    exact = torch.tensor([0.0, 1.0, -2.5, float("inf")])  # representable in bf16: left as they are
+    assert torch.equal(_round_stochastic(exact).float(), exact)

@@ -1,0 +1,169 @@
+"""Where a training step's GPU time goes, by part of the model, in steady state (after warm-up and compiles).
+
+    python bench/profile_steps.py --shape qwen3_30b_a3b --layers 12 [--data synthetic|chat] [--wait 6 --active 3]
+
+Writes the random-weight checkpoint of ``--shape`` (bench/real_data.py's), then runs train_fsdp2.py at its
+defaults on one GPU under torch.profiler, recording only optimizer steps ``wait+1 .. wait+active`` (a global
+optimizer step hook advances the profiler, so the script needs no change). Each kernel's time goes to the
+operator that launched it, and each operator to a part (``PARTS``): expert GEMMs, dense GEMMs, attention,
+permute/combine, routing, casts and copies, dispatch bookkeeping, compiled elementwise (norms, rotary, SwiGLU),
+loss, the optimizer (everything under ``Optimizer.step``). Prints the table per step and writes the raw
+record as one JSON line to ``--out``; the GPU's busy time per step against the step's wall time says how
+much of the step the host leaves the GPU idle.
+"""
+
+import argparse
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+import time
+from datetime import date
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH)
+
+# (part, pattern on the launching operator's name); the first match wins, in this order.
+PARTS = [
+    ("expert GEMMs (grouped_mm)", r"grouped_mm"),
+    ("attention", r"flash|attention|fmha|varlen|flex"),
+    ("dense GEMMs (projections, lm_head, router)", r"^aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)$"),
+    ("loss (log-softmax, nll)", r"log_softmax|nll_loss|cross_entropy"),
+    ("routing (softmax, top-k, sort)", r"softmax|topk|sort|sigmoid|argsort"),
+    ("permute / combine (gather, scatter, index)", r"index|gather|scatter|take|put"),
+    ("dispatch bookkeeping (counts, cumsum)", r"cumsum|bincount|histc|histogram|arange|repeat_interleave|nonzero|searchsorted|bucketize"),
+    ("casts and copies", r"_to_copy|copy_|clone|^aten::to$|contiguous|cat|stack"),
+    ("compiled elementwise (norms, rotary, SwiGLU)", r"^triton_|Torch-Compiled|CompiledFunction"),
+    ("collectives", r"nccl|all_reduce|all_to_all|reduce_scatter|all_gather|c10d"),
+]
+
+
+def part_of(name: str, ancestors: list[str]) -> str:
+    if any(a.startswith("Optimizer.step") or a.startswith("Optimizer.zero_grad") for a in ancestors):
+        return "optimizer"
+    if any(a.startswith("clip_grad") or "clip_grad" in a for a in ancestors):
+        return "gradient clip"
+    for part, pattern in PARTS:
+        if re.search(pattern, name):
+            return part
+    return "other elementwise (" + name.removeprefix("aten::")[:40] + ")"
+
+
+def inner(args, script_args: list[str]) -> None:
+    """In the torchrun process: run train_fsdp2.py under a profiler that records optimizer steps wait+1..wait+active."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=args.wait, warmup=1, active=args.active, repeat=1))
+    window = {"times": []}
+
+    def step_hook(optimizer, *_):
+        torch.cuda.synchronize()
+        window["times"].append(time.perf_counter())
+        prof.step()
+        if len(window["times"]) == args.wait + 1 + args.active + 1:  # the last profiled step is done
+            prof.stop()
+            report(args, prof, window["times"])
+            os._exit(0)  # the rest of the run (its export of the weights) is not what is measured
+
+    register_optimizer_step_post_hook(step_hook)
+    sys.argv = [os.path.join(ROOT, "train_fsdp2.py"), *script_args]
+    prof.start()
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    raise SystemExit("train_fsdp2.py ended before the profiled steps; raise its max_steps")
+
+
+def report(args, prof, times: list[float]) -> None:
+    import torch
+
+    first = args.wait + 1  # the profiler skipped `wait` steps and warmed up on one; it recorded the next `active`
+    wall = [b - a for a, b in zip(times[first - 1:], times[first:])][:args.active]
+    parts: dict[str, float] = {}
+    ops: dict[str, float] = {}  # operator (under the nearest autograd node or module call that launched it)
+    busy = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.self_device_time_total:
+            continue
+        ancestors, p = [], e.cpu_parent
+        while p is not None:
+            ancestors.append(p.name)
+            p = p.cpu_parent
+        us = e.self_device_time_total
+        part = part_of(e.name, ancestors)
+        parts[part] = parts.get(part, 0.0) + us
+        where = next((a for a in ancestors if "Backward" in a or "AccumulateGrad" in a or a.startswith(("Optimizer.", "nn.Module"))), "")
+        key = f"{e.name} <- {where}" if where else e.name
+        ops[key] = ops.get(key, 0.0) + us
+        busy += us
+    steps = args.active
+    record = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shape": args.shape, "layers": args.layers, "data": args.data, "profiled_steps": steps,
+              "wall_s_per_step": [round(w, 4) for w in wall], "gpu_busy_s_per_step": busy / 1e6 / steps,
+              "parts_s_per_step": {k: v / 1e6 / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+              "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:40]}}
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(render(record), flush=True)
+
+
+def render(record: dict) -> str:
+    wall = sum(record["wall_s_per_step"]) / max(1, len(record["wall_s_per_step"]))
+    busy = record["gpu_busy_s_per_step"]
+    lines = [f"{record['shape']} L{record['layers']}, {record['data']} data, {record['device']}: step {wall * 1e3:.0f} ms wall, "
+             f"GPU busy {busy * 1e3:.0f} ms ({busy / wall:.0%} of the step) — per step:", "",
+             "| part | ms/step | share of GPU time |", "|---|---|---|"]
+    small = 0.0
+    for part, s in record["parts_s_per_step"].items():
+        if s / busy < 0.005:
+            small += s
+            continue
+        lines.append(f"| {part} | {s * 1e3:.1f} | {s / busy:.1%} |")
+    lines.append(f"| (parts under 0.5% each) | {small * 1e3:.1f} | {small / busy:.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3_30b_a3b")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--data", choices=("synthetic", "chat"), default="synthetic")
+    p.add_argument("--wait", type=int, default=6, help="optimizer steps before the profiled ones (warm-up, compiles)")
+    p.add_argument("--active", type=int, default=3, help="optimizer steps profiled")
+    p.add_argument("--dir", default="", help="the checkpoint (written if missing); default /tmp/<shape>-L<layers>")
+    p.add_argument("--work", default="/tmp/profile_steps")
+    p.add_argument("--out", default="bench/results/profile_steps.jsonl")
+    p.add_argument("--trace", default="", help="also write the profiled steps' chrome trace to this file")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args, script_args = p.parse_known_args()
+    if args.inner:
+        return inner(args, script_args)
+    from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ, data_file, write_checkpoint
+
+    args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}"
+    os.makedirs(args.work, exist_ok=True)
+    write_checkpoint(args.dir, args.shape, args.layers)
+    steps = args.wait + 1 + args.active + 2  # one more than profiled: the run stops itself after the profile
+    data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps)
+    out_dir = os.path.join(args.work, "run")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.abspath(__file__), "--inner",
+               "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--wait", str(args.wait),
+               "--active", str(args.active), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
+               # train_fsdp2.py's settings: its defaults, the bench batch of bench/real_data.py
+               "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", out_dir, "--overwrite_output_dir", "true",
+               "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),
+               "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5",
+               "--max_steps", str(steps)]
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+if __name__ == "__main__":
+    main()
