@@ -121,21 +121,21 @@ def test_weight_decay_skips_what_trainer_skips(arch):
 
 def test_adamw_bf16_is_torchaos_update_in_fewer_calls():
     """Without its rounding noise, AdamWBF16 gives torchao's _AdamW(bf16_stochastic_round=False) bits exactly, over
-    more tensors than one compiled call takes (two chunks), three steps, with and without weight decay, as the
-    learning rate changes; with the noise, each weight lands on one of its two bf16 neighbours of that update."""
+    three steps, with and without weight decay, as the learning rate changes: 12 sizes (more than torch.compile's
+    8 recompiles of a function), one of them in more tensors than one compiled call takes."""
     import torchao.optim
 
     from megablocks_utils.train import adamw_bf16
 
     torch.manual_seed(0)
-    shapes = [(7, 5), (64,), (3, 4, 6), (1,), (33,)] * 4  # 20 tensors: a chunk of 16 and one of 4
-    assert len(shapes) > adamw_bf16.CHUNK
+    shapes = [(7, 5), (64,), (3, 4, 6), (2,), (33,), (5, 5), (9,), (4, 4, 4), (13,), (6, 7), (11, 3), (17,)] * 2
+    shapes += [(8, 8)] * (adamw_bf16.CHUNK + 2)
     start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     grads = [[torch.randn(s).to(torch.bfloat16) for s in shapes] for _ in range(3)]
 
     def run(make, lrs=(1e-2, 5e-3, 2e-3)):
         params = [torch.nn.Parameter(t.clone()) for t in start]
-        optimizer = make([{"params": params[:10]}, {"params": params[10:], "weight_decay": 0.0}])
+        optimizer = make([{"params": params[:12]}, {"params": params[12:], "weight_decay": 0.0}])
         for step, lr in enumerate(lrs):
             for group in optimizer.param_groups:
                 group["lr"].fill_(lr) if isinstance(group["lr"], torch.Tensor) else group.update(lr=lr)
@@ -168,3 +168,22 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert abs(rounded.abs().mean().item() - (1.0 + 2**-10)) < 2e-4
     exact = torch.tensor([0.0, 1.0, -2.5, float("inf")])  # representable in bf16: left as they are
     assert torch.equal(_round_stochastic(exact).float(), exact)
+
+
+def test_adamw_bf16_compiles_one_graph_for_many_sizes():
+    """The compiled update is specialised on the chunk's length, not on the tensors' sizes: a model with 20 sizes
+    (each in two tensors) gets one graph (torch.compile stops recompiling a function after 8 and, with fullgraph,
+    raises: seen on a 12-layer Qwen3 shape before the tensors were grouped by size)."""
+    from torch._dynamo.utils import counters  # torch.compile's own tally; there is no public one
+
+    from megablocks_utils.train.adamw_bf16 import AdamWBF16
+
+    torch._dynamo.reset()
+    counters.clear()
+    params = [torch.nn.Parameter(torch.randn(n + 2).to(torch.bfloat16)) for n in range(20) for _ in range(2)]
+    optimizer = AdamWBF16(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

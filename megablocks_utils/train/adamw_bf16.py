@@ -3,9 +3,10 @@
 The update is torchao's ``_AdamW(bf16_stochastic_round=True)`` (the same formula, state names and state dtypes,
 so a checkpoint of either loads into the other). What differs is how it is launched: torchao calls one compiled
 function per parameter, and on a 12-layer Qwen3-30B-A3B shape (135 tensors) that cost ~1 ms of host time per
-tensor, 130 ms per step in which the GPU waits (bench/profile_steps.py). Here the tensors are flattened and
-updated ``CHUNK`` at a time by one compiled function with dynamic sizes: a handful of calls per step and a
-handful of compiled graphs per run, whatever the model's shapes.
+tensor, 130 ms per step in which the GPU waits (bench/profile_steps.py). Here the tensors are flattened, grouped
+by size (a model's layers repeat the same shapes), and updated ``CHUNK`` at a time by one compiled function with
+dynamic sizes: a few calls per step, and one compiled graph per chunk length whatever the sizes (within a chunk
+every size is equal, which is the one relation between sizes the graph is specialised on).
 
 Stochastic rounding: adding 16 random bits below a float32's bf16 part and truncating rounds up with a
 probability equal to the dropped fraction, so an update far below a bf16 ulp still moves the weight on average
@@ -70,7 +71,7 @@ class AdamWBF16(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            todo: dict[tuple, list] = {}  # (device, step) -> [(param, grad, exp_avg, exp_avg_sq)], flat
+            todo: dict[tuple, list] = {}  # (device, step, size) -> [(param, grad, exp_avg, exp_avg_sq)], flat
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -80,14 +81,15 @@ class AdamWBF16(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                key = (_flat(p).device, float(state["step"]))
+                flat = _flat(p)
+                key = (flat.device, float(state["step"]), flat.numel())
                 todo.setdefault(key, []).append([_flat(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])])
             beta1, beta2 = group["betas"]
             # Host scalars (0-dim CPU tensors): the compiled graph reads them at each call instead of recompiling
             # for each value the schedule gives.
             lr = torch.as_tensor(group["lr"], dtype=torch.float32)
             weight_decay = torch.tensor(group["weight_decay"], dtype=torch.float32)
-            for (_, step), items in todo.items():
+            for (_, step, _), items in todo.items():
                 step_t = torch.tensor(step, dtype=torch.float32)
                 for start in range(0, len(items), CHUNK):
                     chunk = list(zip(*items[start:start + CHUNK]))
