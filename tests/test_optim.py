@@ -171,19 +171,20 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
 
 
 def test_adamw_bf16_compiles_one_graph_for_many_sizes():
-    """The compiled update is specialised on the chunk's length, not on the tensors' sizes: a model with 20 sizes
-    (each in two tensors) gets one graph (torch.compile stops recompiling a function after 8 and, with fullgraph,
-    raises: seen on a 12-layer Qwen3 shape before the tensors were grouped by size)."""
+    """The compiled update is specialised on the chunk's length (a power of two), not on the tensors' sizes or how
+    many share one: 20 sizes held by 1 to 20 tensors each get at most five graphs (torch.compile stops recompiling
+    a function after 8 and, with fullgraph, raises: seen on a 12-layer Qwen3 shape)."""
     from torch._dynamo.utils import counters  # torch.compile's own tally; there is no public one
 
     from megablocks_utils.train.adamw_bf16 import AdamWBF16
 
     torch._dynamo.reset()
     counters.clear()
-    params = [torch.nn.Parameter(torch.randn(n + 2).to(torch.bfloat16)) for n in range(20) for _ in range(2)]
+    shapes = [[(n + 2,), (2, n + 2), (n + 2, 1, 3)][n % 3] for n in range(20)]  # a flat view would carry its base's rank
+    params = [torch.nn.Parameter(torch.randn(shapes[n]).to(torch.bfloat16)) for n in range(20) for _ in range(n + 1)]
     optimizer = AdamWBF16(params, lr=1e-3)
     for _ in range(2):
         for p in params:
             p.grad = torch.randn_like(p)
         optimizer.step()
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])

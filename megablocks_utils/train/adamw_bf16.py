@@ -5,8 +5,8 @@ so a checkpoint of either loads into the other). What differs is how it is launc
 function per parameter, and on a 12-layer Qwen3-30B-A3B shape (135 tensors) that cost ~1 ms of host time per
 tensor, 130 ms per step in which the GPU waits (bench/profile_steps.py). Here the tensors are flattened, grouped
 by size (a model's layers repeat the same shapes), and updated ``CHUNK`` at a time by one compiled function with
-dynamic sizes: a few calls per step, and one compiled graph per chunk length whatever the sizes (within a chunk
-every size is equal, which is the one relation between sizes the graph is specialised on).
+dynamic sizes: a few calls per step, and one compiled graph per chunk length (``_chunks``: at most five) whatever
+the sizes (within a chunk every size is equal, the one relation between sizes a graph is specialised on).
 
 Stochastic rounding: adding 16 random bits below a float32's bf16 part and truncating rounds up with a
 probability equal to the dropped fraction, so an update far below a bf16 ulp still moves the weight on average
@@ -16,7 +16,18 @@ probability equal to the dropped fraction, so an update far below a bf16 ulp sti
 import torch
 from torch.distributed.tensor import DTensor
 
-CHUNK = 16  # tensors per compiled call: few calls, and a graph small enough to compile in seconds
+CHUNK = 16  # the most tensors per compiled call: few calls, and a graph small enough to compile in seconds
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    """(start, stop) of chunks covering n tensors, each of a power-of-two length up to CHUNK: whatever the
+    model, at most five lengths (16, 8, 4, 2, 1), so at most five compiled graphs."""
+    spans, start = [], 0
+    while start < n:
+        length = min(CHUNK, 1 << ((n - start).bit_length() - 1))
+        spans.append((start, start + length))
+        start += length
+    return spans
 
 
 def _round_stochastic(x: torch.Tensor) -> torch.Tensor:
@@ -45,11 +56,17 @@ _compiled_update = torch.compile(_update, fullgraph=True, dynamic=True)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor on ``t``'s memory (its local shard for a DTensor), to update ``t`` in place.
+
+    Not ``view(-1)``: torch.compile specialises a graph on a view's base (its rank, sizes and strides), which
+    would bring back one graph per shape; a tensor ``set_`` to the same storage is no view of anything.
+    """
     local = t.to_local() if isinstance(t, DTensor) else t
     if not local.is_contiguous():
-        raise RuntimeError(f"adamw_bf16 updates tensors in place through a flat view; a {tuple(local.shape)} tensor "
+        raise RuntimeError(f"adamw_bf16 updates tensors in place through a flat alias; a {tuple(local.shape)} tensor "
                            "is not contiguous (use optim adamw_torch for this model)")
-    return local.view(-1)
+    return torch.empty(0, dtype=local.dtype, device=local.device).set_(local.untyped_storage(), local.storage_offset(),
+                                                                       (local.numel(),), (1,))
 
 
 class AdamWBF16(torch.optim.Optimizer):
@@ -91,7 +108,7 @@ class AdamWBF16(torch.optim.Optimizer):
             weight_decay = torch.tensor(group["weight_decay"], dtype=torch.float32)
             for (_, step, _), items in todo.items():
                 step_t = torch.tensor(step, dtype=torch.float32)
-                for start in range(0, len(items), CHUNK):
-                    chunk = list(zip(*items[start:start + CHUNK]))
+                for start, stop in _chunks(len(items)):
+                    chunk = list(zip(*items[start:stop]))
                     _compiled_update(*chunk, step_t, lr, weight_decay, beta1, beta2, group["eps"], self.stochastic_round)
         return loss
