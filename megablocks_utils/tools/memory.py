@@ -538,7 +538,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
             casts = COMPUTE_BYTES * local_experts_layer * kept
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer) + casts
         # one layer's bf16 gradient as the backward makes it, and its copy divided by world size in the weights'
-        # dtype (the backward of the layer's cast, moe_layer._CastDivided), before it is added in place
+        # dtype (the backward of the layer's cast, moe/cast.py's _CastDivided), before it is added in place
         gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + (COMPUTE_BYTES + grad_b) * local_experts_layer + COMPUTE_BYTES * lm_head
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:
