@@ -16,6 +16,7 @@ from megablocks_utils import (
     clip_grad_norm_,
     count_label_tokens,
     expert_parameters,
+    moe_blocks,
     router_stats,
     shard_moe,
     spec_for,
@@ -175,6 +176,7 @@ def check_overlap_chunks_change_nothing(rank, world):
             model = AutoModelForCausalLM.from_config(config).float()
             mesh = build_mesh(world, "cpu")
             shard_moe(model, mesh, device="cpu", overlap_chunks=chunks)
+            assert all(block.experts.overlap_chunks == chunks for block in moe_blocks(model))
             parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
             rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
             out = model(input_ids[rows], attention_mask=mask[rows])

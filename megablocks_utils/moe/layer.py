@@ -30,12 +30,12 @@ class ExpertParallelExperts(nn.Module):
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors sharded on dim 0 over "ep";
     the names match transformers' fused layout so state dicts line up with ``MixtralExperts``,
     ``Qwen2MoeExperts`` and the other fused expert modules of transformers 5. A model table row may
-    ask for transformers' other layouts (``models.MoESpec``): ``transposed`` weights ([E, H, 2I] and
+    ask for transformers' other layouts (``architectures.MoESpec``): ``transposed`` weights ([E, H, 2I] and
     [E, I, H]), gate and up in alternating columns (``interleaved``), and per-expert biases
     ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H], sharded like the weights (gpt-oss).
     ``act_fn`` is a transformers activation name, or "gpt_oss_swiglu" (clamped, with ``alpha`` and ``limit``).
 
-    Settings, fixed here:
+    Settings, given at construction:
     ``force_loop``: the local experts as the per-expert loop even where grouped GEMMs run (tests compare the two).
     ``compile_elementwise``: on CUDA, torch.compile the SiLU * up, the weighted combine of the k outputs, the
     dispatch's backward and the cast's gradient division (``fused.py``).
