@@ -112,7 +112,6 @@ def main():
         causal_lm_loss_sum,
         compile_dense_parts,
         expert_parameters,
-        moe_blocks,
         router_stats,
         shard_moe,
     )
@@ -153,10 +152,8 @@ def main():
         compute_dtype = torch.bfloat16 if cuda else torch.float32
         if sharded:  # ours: the same parallelize() as train_fsdp2.py
             mesh = build_mesh(args.ep or world, device.type, shard_experts=args.shard_experts == "true")
-            shard_moe(model, mesh, device=device, moe_backend="megablocks" if args.config == "megablocks" else "native")
-            for block in moe_blocks(model):
-                block.experts.compile_elementwise = not args.no_compile
-                block.experts.overlap_chunks = args.overlap_chunks
+            shard_moe(model, mesh, device=device, moe_backend="megablocks" if args.config == "megablocks" else "native",
+                      compile_elementwise=not args.no_compile, overlap_chunks=args.overlap_chunks)
             ac = ("selective" if args.selective_ac else "full") if args.ac else "none"
             parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=ac, compile_dense=args.compile_dense,
                         reshard_after_forward=not args.no_reshard)

@@ -120,13 +120,13 @@ def install_fakes() -> None:
     shard.check_megablocks = lambda device_type=None: None  # it refuses CPU runs, rightly
 
     def compute(self, x, counts, counts_host):  # MegablocksExperts.compute without its CUDA/bf16 test
-        if self.force_loop:
+        if self.local.force_loop:
             return ExpertParallelExperts.compute(self, x, counts, counts_host)
         w_gate_up, w_down = self._local_weights(x.dtype)
         gmm = sys.modules["grouped_gemm.ops"].gmm
         batch_sizes = torch.tensor(counts_host, dtype=torch.int64)
         gate, up = gmm(x, w_gate_up, batch_sizes, trans_b=True).chunk(2, dim=-1)
-        return gmm(self.act_fn(gate) * up, w_down, batch_sizes, trans_b=True)
+        return gmm(self.local.act_fn(gate) * up, w_down, batch_sizes, trans_b=True)
 
     megablocks_backend.MegablocksExperts.compute = compute
     importlib.metadata.version = lambda name: "fake"

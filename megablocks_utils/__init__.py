@@ -28,7 +28,7 @@ _MODULE_OF = {
     "spec_for": "model.architectures",
     "ExpertParallelExperts": "moe.layer",
     "ExpertParallelMoE": "moe.layer",
-    "TopKRouter": "moe.layer",
+    "TopKRouter": "moe.router",
     "expert_parameters": "model.build",
     "load_model": "model.build",
     "moe_blocks": "model.build",

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_moe_config
 
 from megablocks_utils.model.architectures import spec_for
-from megablocks_utils.moe.layer import TopKRouter
+from megablocks_utils.moe.router import TopKRouter
 
 TOL = 1e-6
 

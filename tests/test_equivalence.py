@@ -18,6 +18,7 @@ from megablocks_utils import (
     expert_parameters,
     moe_blocks,
     router_stats,
+    shard_moe,
     spec_for,
 )
 from megablocks_utils.parallel.parallelize import needs_fsdp, parallelize
@@ -174,9 +175,9 @@ def check_overlap_chunks_change_nothing(rank, world):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).float()
             mesh = build_mesh(world, "cpu")
+            shard_moe(model, mesh, device="cpu", overlap_chunks=chunks)
+            assert all(block.experts.overlap_chunks == chunks for block in moe_blocks(model))
             parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
-            for block in moe_blocks(model):
-                block.experts.overlap_chunks = chunks
             rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
             out = model(input_ids[rows], attention_mask=mask[rows])
             (world * causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels)).backward()

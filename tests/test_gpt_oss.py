@@ -13,8 +13,9 @@ from megablocks_utils.config.inputs import InputError
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.build import expert_options, load_model
 from megablocks_utils.model.loading import check_model_dir
-from megablocks_utils.moe.layer import ExpertParallelExperts, TopKRouter
+from megablocks_utils.moe.layer import ExpertParallelExperts
 from megablocks_utils.moe.megablocks_backend import check_megablocks_model
+from megablocks_utils.moe.router import TopKRouter
 
 TOL = 1e-5
 
@@ -62,7 +63,7 @@ def test_clamped_swiglu_experts_match_transformers():
 
 def test_grouped_gemm_path_equals_the_expert_loop(monkeypatch):
     """The transposed weights and per-row biases on the grouped GEMM path (torch runs it on CPU too)."""
-    from megablocks_utils.moe import layer as moe_layer
+    from megablocks_utils.moe import experts as moe_experts
 
     config = tiny_moe_config("gpt_oss", swiglu_limit=1.0)
     spec = spec_for(config)
@@ -72,7 +73,7 @@ def test_grouped_gemm_path_equals_the_expert_loop(monkeypatch):
     x = torch.randn(30, 64, generator=g)
     counts = torch.tensor([10, 0, 12, 8])  # an expert without rows
     loop = experts.compute(x, counts, counts.tolist())
-    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda x: True)
+    monkeypatch.setattr(moe_experts, "grouped_mm_supported", lambda x: True)
     torch.testing.assert_close(experts.compute(x, counts, counts.tolist()), loop, rtol=TOL, atol=1e-6)
 
 
@@ -118,7 +119,7 @@ def test_megablocks_and_sdpa_are_clear_errors(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
 def test_one_local_expert_gemm_equals_the_expert_loop(monkeypatch, arch):
     """ep = number of experts: the grouped GEMM path runs plain GEMMs for the one local expert (biases too)."""
-    from megablocks_utils.moe import layer as moe_layer
+    from megablocks_utils.moe import experts as moe_experts
 
     config = tiny_moe_config(arch, **({"swiglu_limit": 1.0} if arch == "gpt_oss" else {}))
     spec = spec_for(config)
@@ -132,8 +133,8 @@ def test_one_local_expert_gemm_equals_the_expert_loop(monkeypatch, arch):
     counts = torch.tensor([30])
     loop = experts.compute(x, counts, [30])
     loop_grads = torch.autograd.grad(loop.square().sum(), [x, *params])
-    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda t: True)
-    monkeypatch.setattr(moe_layer, "_grouped_mm", lambda *a, **k: pytest.fail("one local expert must not use grouped_mm"))
+    monkeypatch.setattr(moe_experts, "grouped_mm_supported", lambda t: True)
+    monkeypatch.setattr(moe_experts, "_grouped_mm", lambda *a, **k: pytest.fail("one local expert must not use grouped_mm"))
     gemm = experts.compute(x, counts)
     torch.testing.assert_close(gemm, loop, rtol=TOL, atol=1e-6)
     for got, expected in zip(torch.autograd.grad(gemm.square().sum(), [x, *params]), loop_grads):

@@ -1,10 +1,13 @@
 """The MoE layer's own autograd pieces against what plain indexing computes: the combine of expert outputs
 (gather + weighted sum, compiled on CUDA) against weighting + index_add, the dispatch's gather-sum backward,
-the per-expert bias's segment-sum backward; and no host sync at ep = 1 on the grouped GEMM path. Eager, on CPU."""
+the per-expert bias's segment-sum backward; no host sync at ep = 1 on the grouped GEMM path, and ``force_loop``
+keeping it out. Eager, on CPU."""
 
+import pytest
 import torch
 
-from megablocks_utils.moe.layer import _Dispatch, _ExpertBias, _gather_combine, _weigh
+from megablocks_utils.moe.dispatch import _Dispatch, _gather_combine, _weigh
+from megablocks_utils.moe.experts import _ExpertBias
 
 
 def test_gather_combine_equals_weighted_index_add():
@@ -72,10 +75,11 @@ def test_one_rank_grouped_gemm_layer_makes_no_host_sync(monkeypatch):
     CUDA) in forward or backward; the per-expert loop still reads them (and gets the same result)."""
     from types import SimpleNamespace
 
-    from megablocks_utils.moe import layer as moe_layer
+    from megablocks_utils.moe import experts as moe_experts
+    from megablocks_utils.moe.layer import ExpertParallelExperts
 
     torch.manual_seed(0)
-    experts = moe_layer.ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu")
+    experts = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu")
     experts.set_weights(torch.nn.Parameter(torch.randn(4, 32, 16) * 0.3), torch.nn.Parameter(torch.randn(4, 16, 16) * 0.3))
     x = torch.randn(20, 16, requires_grad=True)
     top_w, top_i = torch.rand(20, 2), torch.stack([torch.randperm(4)[:2] for _ in range(20)])
@@ -83,11 +87,33 @@ def test_one_rank_grouped_gemm_layer_makes_no_host_sync(monkeypatch):
     calls = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(t.shape) or real_tolist(t))
-    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda t: True)  # torch runs grouped_mm on CPU too
+    monkeypatch.setattr(moe_experts, "grouped_mm_supported", lambda t: True)  # torch runs grouped_mm on CPU too
     grouped = experts(x, top_i, top_w)
     grouped.sum().backward()
     assert calls == []
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(moe_layer, "grouped_mm_supported", lambda t: False)
+    monkeypatch.setattr(moe_experts, "grouped_mm_supported", lambda t: False)
     experts(x, top_i, top_w)
     assert calls == [torch.Size([4])]
+
+
+def test_force_loop_runs_the_per_expert_loop_where_grouped_gemms_would_run(monkeypatch):
+    """``force_loop``, given at construction, keeps the grouped GEMM out even where it is supported."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe import experts as moe_experts
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+
+    torch.manual_seed(0)
+    weights = torch.randn(4, 32, 16) * 0.3, torch.randn(4, 16, 16) * 0.3
+    x = torch.randn(20, 16)
+    top_w, top_i = torch.rand(20, 2), torch.stack([torch.randperm(4)[:2] for _ in range(20)])
+    looped = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu", force_loop=True)
+    looped.set_weights(*(torch.nn.Parameter(w.clone()) for w in weights))
+    reference = looped(x, top_i, top_w)
+    monkeypatch.setattr(moe_experts, "grouped_mm_supported", lambda t: True)
+    grouped = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu")
+    grouped.set_weights(*(torch.nn.Parameter(w.clone()) for w in weights))
+    torch.testing.assert_close(grouped(x, top_i, top_w), reference, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(moe_experts, "_grouped_mm", lambda *a, **k: pytest.fail("force_loop must not use grouped_mm"))
+    torch.testing.assert_close(looped(x, top_i, top_w), reference, rtol=0, atol=0)

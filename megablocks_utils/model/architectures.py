@@ -98,7 +98,7 @@ class MoESpec:
         return float(getattr(config, self.aux_coef_attr, 0.0) or 0.0) if self.aux_coef_attr else 0.0
 
     def router_options(self, config) -> dict:
-        """Keyword arguments of ``moe_layer.TopKRouter`` beyond the common ones, from the config."""
+        """Keyword arguments of ``router.TopKRouter`` beyond the common ones, from the config."""
         if self.router not in ("sigmoid_group_topk", "softmax_group_topk"):
             return dict(score_bias=self.score_bias)
         if self.group_method_attr is not None and getattr(config, self.group_method_attr) != "group_limited_greedy":

@@ -12,16 +12,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
 from megablocks_utils.model.attention import choose_attention
 from megablocks_utils.model.loading import Checkpoint, expert_layout, load_local_experts
-from megablocks_utils.moe.layer import (
-    ExpertParallelExperts,
-    ExpertParallelMoE,
-    TopKRouter,
-)
+from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
 from megablocks_utils.moe.megablocks_backend import (
     MegablocksExperts,
     check_megablocks,
     check_megablocks_model,
 )
+from megablocks_utils.moe.router import TopKRouter
 from megablocks_utils.parallel.mesh import MoEMesh, build_mesh
 
 BACKENDS = ("native", "megablocks")
@@ -40,7 +37,7 @@ def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The expert weights: DTensors on the ep mesh (and, once FSDP shards them, on the whole expert mesh)."""
+    """The expert weights: DTensors on the ep mesh (and, where FSDP shards them, on the whole expert mesh)."""
     return [p for block in moe_blocks(model) for p in block.experts.parameters()]
 
 
@@ -140,6 +137,9 @@ def shard_moe(
     device: torch.device | str | None = None,
     moe_backend: str = "native",
     timeout: timedelta | None = None,
+    force_loop: bool = False,
+    compile_elementwise: bool = True,
+    overlap_chunks: int = 1,
 ) -> MoEMesh:
     """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
 
@@ -153,12 +153,16 @@ def shard_moe(
     ``mesh``: the script's ``build_mesh(...)``, or an ep size (then a mesh is built with its defaults
     and ``timeout``, which bounds the collectives on the mesh's groups; see ``build_mesh``).
     FSDP (``parallelize``) is applied afterwards; until then each expert DTensor is Shard(0) over ep.
+    ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the experts' settings (``ExpertParallelExperts``;
+    megablocks' forward has no ``overlap_chunks``).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = model.config
     spec = spec_for(config)
     if moe_backend == "megablocks":
         check_megablocks_model(spec)
+        if overlap_chunks != 1:
+            raise ValueError(f"overlap_chunks={overlap_chunks} needs moe_backend='native' (megablocks moves the tokens itself); use it or overlap_chunks=1")
     check_backend(moe_backend, device.type)
     num_experts = getattr(config, spec.num_experts_attr)
     top_k = getattr(config, spec.top_k_attr)
@@ -185,9 +189,13 @@ def shard_moe(
                 experts = MegablocksExperts(
                     num_experts, mesh, config.hidden_act,
                     top_k=top_k, hidden_size=config.hidden_size, intermediate_size=intermediate,
+                    force_loop=force_loop, compile_elementwise=compile_elementwise,
                 )
             else:
-                experts = ExpertParallelExperts(num_experts, mesh, spec.expert_act or config.hidden_act, **expert_options(spec, config))
+                experts = ExpertParallelExperts(
+                    num_experts, mesh, spec.expert_act or config.hidden_act, **expert_options(spec, config),
+                    force_loop=force_loop, compile_elementwise=compile_elementwise, overlap_chunks=overlap_chunks,
+                )
             new = ExpertParallelMoE(
                 config.hidden_size, num_experts, top_k, renormalize, mesh, config.hidden_act,
                 router_attr=spec.router_attr, router_mode=spec.router, router_options=spec.router_options(config),
@@ -253,11 +261,15 @@ def load_model(
     moe_backend: str = "native",
     timeout: timedelta | None = None,
     attn_implementation: str | None = None,
+    force_loop: bool = False,
+    compile_elementwise: bool = True,
+    overlap_chunks: int = 1,
 ) -> tuple[nn.Module, MoEMesh]:
     """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``.
 
     ``mesh``: the script's ``build_mesh(...)`` (or an ep size, see ``shard_moe``); ``timeout``: for a
-    mesh built here (see ``build_mesh``).
+    mesh built here (see ``build_mesh``); ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the
+    experts' settings (see ``shard_moe``).
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local model")
@@ -270,5 +282,8 @@ def load_model(
         attn_implementation = choose_attention(attn_implementation, config, device_type)[0]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    mesh = shard_moe(model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout)
+    mesh = shard_moe(
+        model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout,
+        force_loop=force_loop, compile_elementwise=compile_elementwise, overlap_chunks=overlap_chunks,
+    )
     return model, mesh

@@ -7,7 +7,7 @@ summed over ranks, padding excluded). Every rank applies the same update to the 
 the copies never diverge and the bias needs no communication of its own.
 
 The bias only decides which experts a token goes to; the weights of the chosen experts are the router's
-unbiased scores (``moe_layer.TopKRouter``), so no gradient flows through it and no loss term is added.
+unbiased scores (``router.TopKRouter``), so no gradient flows through it and no loss term is added.
 DeepSeek-V3 and GLM-4.5 carry the bias in their checkpoints (``e_score_correction_bias``), and training
 updates that buffer. Other models get an extra buffer (``TopKRouter.ADDED_BIAS``): saved in training
 checkpoints, but not exported, because their transformers model has no place for it; the exported model
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megablocks_utils.model.build import moe_blocks
-from megablocks_utils.moe.layer import TopKRouter
+from megablocks_utils.moe.router import TopKRouter
 
 
 def add_routing_bias(model: nn.Module) -> int:

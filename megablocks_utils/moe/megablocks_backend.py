@@ -19,7 +19,7 @@ with w1, v1, w2 of [E/ep * I, H]: in our layout ``w1[e] = gate_up_proj[e, :I]``,
 layout with the grouped GEMM megablocks' ``GroupedGLU`` calls (``grouped_gemm.ops.gmm``):
 ``h = gmm(x, gate_up_proj, trans_b=True)``, then ``gmm(act(h[:, :I]) * h[:, I:], down_proj, trans_b=True)``:
 two GEMMs instead of three, and no copy or transpose of the weights. grouped_gemm is bf16-only; in
-fp32 the local experts run as the per-expert loop (``expert_loop``) and the rest is megablocks'.
+fp32 the local experts run as the per-expert loop (``LocalExperts.loop``) and the rest is megablocks'.
 
 Not used from megablocks, and why: its ``LearnedRouter`` (softmax in the activations' dtype, one
 routing rule; the model's router is the one that matches transformers); its load-balancing loss
@@ -115,12 +115,24 @@ class MegablocksExperts(ExpertParallelExperts):
 
     Same weights, names and contract as ``ExpertParallelExperts`` (``forward(x, top_i, top_w)``):
     only the forward differs (module docstring). ``force_loop`` runs the local experts as the
-    per-expert loop instead of grouped_gemm, as in the native layer.
+    per-expert loop instead of grouped_gemm, as in the native layer; ``compile_elementwise`` compiles the
+    weights' cast backward on CUDA, as there (the rest of the forward is megablocks').
     """
 
-    def __init__(self, num_experts: int, mesh: MoEMesh, act_fn: str, *, top_k: int, hidden_size: int, intermediate_size: int):
-        super().__init__(num_experts, mesh, act_fn)
-        self.dropless = _dropless_mlp(num_experts, top_k, hidden_size, intermediate_size, mesh, self.act_fn)
+    def __init__(
+        self,
+        num_experts: int,
+        mesh: MoEMesh,
+        act_fn: str,
+        *,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        force_loop: bool = False,
+        compile_elementwise: bool = True,
+    ):
+        super().__init__(num_experts, mesh, act_fn, force_loop=force_loop, compile_elementwise=compile_elementwise)
+        self.dropless = _dropless_mlp(num_experts, top_k, hidden_size, intermediate_size, mesh, self.local.act_fn)
         # ParallelDroplessMLP calls ``self.mlp(rows grouped by local expert, rows per local expert)``;
         # a plain attribute (not a submodule), so the weights stay ours alone.
         self.dropless.mlp = self._local_experts
@@ -133,13 +145,13 @@ class MegablocksExperts(ExpertParallelExperts):
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
         w_gate_up, w_down = self._local_weights(x.dtype)
-        if self.force_loop or not (x.is_cuda and x.dtype == torch.bfloat16):
-            return self.expert_loop(x, counts_host, w_gate_up, w_down)
+        if self.local.force_loop or not (x.is_cuda and x.dtype == torch.bfloat16):
+            return self.local.loop(x, counts_host, (w_gate_up, w_down))
         from grouped_gemm.ops import gmm
 
         batch_sizes = torch.tensor(counts_host, dtype=torch.int64)  # grouped_gemm wants them on the host
         gate, up = gmm(x, w_gate_up, batch_sizes, trans_b=True).chunk(2, dim=-1)
-        return gmm(self.act_fn(gate) * up, w_down, batch_sizes, trans_b=True)
+        return gmm(self.local.act_fn(gate) * up, w_down, batch_sizes, trans_b=True)
 
     def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H]: megablocks' dropless forward with our routing."""

@@ -83,9 +83,7 @@ LOGITS_BYTES = 2 + 4 + 4 + 2
 # 71.8 GiB allocated; 32 layers estimated 135.0 (132.9), and that run ran out of memory at 132 GiB allocated on a
 # 139.8 GiB GPU, so there the estimate is low by some percent (not measured how many).
 # One H100, gpt-oss-20b's shape cut to 4 layers, adamw_bf16, no checkpointing, 1 x 2048 x 4 (bench/gpu_gpt_oss.sh,
-# 2026-11-23): estimated 44.4 GiB, measured 44.7 allocated. (An earlier version scaled the kept activations by
-# 1.66 to fit the 4 x H200 points; the term it stood in for was the expert gradients that live across micro-steps,
-# now counted in ``_estimate``.)
+# 2026-11-23): estimated 44.4 GiB, measured 44.7 allocated.
 OVERHEAD_BYTES = 3 * GiB
 FRAGMENTATION = 0.05
 
@@ -538,7 +536,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
             casts = COMPUTE_BYTES * local_experts_layer * kept
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer) + casts
         # one layer's bf16 gradient as the backward makes it, and its copy divided by world size in the weights'
-        # dtype (the backward of the layer's cast, moe_layer._CastDivided), before it is added in place
+        # dtype (the backward of the layer's cast, moe/cast.py's _CastDivided), before it is added in place
         gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + (COMPUTE_BYTES + grad_b) * local_experts_layer + COMPUTE_BYTES * lm_head
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:

@@ -1,0 +1,131 @@
+"""Token dispatch: each token's k copies sorted by expert, sent to the ep ranks that own those experts,
+brought back, and weighted and summed into one row per token.
+
+  route (``route``) -> copies in expert order (``dispatch``) -> all-to-all to the owning ranks, their
+  experts, all-to-all back (``exchange``; ep > 1 only) -> k copies weighted and summed (``combine``).
+
+No capacity factor: every token copy is computed, an expert with zero tokens is fine. ``fuse`` (the
+layer's ``compile_elementwise``, on CUDA) runs the gathers and sums below as compiled kernels.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+# all_to_all_single_autograd is torch's functional collective with a backward (the reverse
+# all-to-all); it lives in this underscore module, and torch has no public autograd all-to-all
+# that takes a DeviceMesh or group with uneven splits otherwise.
+from torch.distributed._functional_collectives import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+)
+
+from megablocks_utils.moe.fused import fused
+
+
+class Route(NamedTuple):
+    order: torch.Tensor  # token copies (token-major, t * k + j) sorted by expert
+    token_of_copy: torch.Tensor  # each sorted copy's token
+    copy_row: torch.Tensor  # each token copy's row in expert order
+    counts: torch.Tensor  # token copies per expert [E]
+
+
+def route(top_i: torch.Tensor, num_experts: int) -> Route:
+    """Token copies sorted by expert: the order, each copy's token, each token's copy rows, tokens per expert."""
+    k = top_i.shape[1]
+    flat_expert = top_i.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    # copy_row[t * k + j]: the row (in expert order) of token t's j-th choice.
+    copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    # Tokens per expert; bincount would sync with the host on CUDA (its length depends on the largest index).
+    counts = flat_expert.new_zeros(num_experts).scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
+    return Route(order, order // k, copy_row, counts)
+
+
+def _gather_sum(grad: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Tensor:
+    """Row t of the result: the sum, in fp32, of rows ``copy_row[t * k : (t + 1) * k]`` of ``grad``."""
+    return grad[copy_row].view(-1, k, grad.shape[-1]).float().sum(dim=1).to(grad.dtype)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[token_of_copy]`` (each token's k copies, in expert order) with a gather for its backward.
+
+    Autograd's backward of the indexing is a scatter-add into x (index_put with accumulate: on CUDA a sort
+    and a serial pass over duplicate indices). Each token's k copies sit at known rows (``copy_row``), so the
+    gradient of a token is the sum of those k rows: a gather, summed in fp32 (as that kernel accumulates).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_of_copy: torch.Tensor, copy_row: torch.Tensor, k: int, fuse: bool) -> torch.Tensor:
+        ctx.save_for_backward(copy_row)
+        ctx.k, ctx.fuse = k, fuse
+        return x[token_of_copy]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (copy_row,) = ctx.saved_tensors
+        return (fused(_gather_sum) if ctx.fuse else _gather_sum)(grad, copy_row, ctx.k), None, None, None, None
+
+
+def dispatch(x: torch.Tensor, route: Route, k: int, fuse: bool) -> torch.Tensor:
+    """Each token's k copies, as rows of ``x`` in expert order."""
+    return _Dispatch.apply(x, route.token_of_copy, route.copy_row, k, fuse)
+
+
+def exchange(
+    routed: list[torch.Tensor],
+    counts: list[torch.Tensor],
+    ep: int,
+    local: int,
+    group: "torch.distributed.ProcessGroup",
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Each chunk's rows (expert order) to the ep ranks owning their experts, through ``compute`` (rows grouped
+    by local expert, rows per local expert) there, and back: the outputs in the order the rows were sent.
+    ``local`` experts per rank. One count exchange and host sync for all chunks."""
+    chunks = len(routed)
+    # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
+    send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)
+    recv = all_to_all_single(send.reshape(-1), None, None, group).view(ep, chunks, local)
+    # Rows per chunk and peer rank, sent and received ([c][rank] each): the one host sync of the layer.
+    send_splits, recv_splits = torch.stack([send.sum(-1).T, recv.sum(-1).T]).tolist()
+    received = [all_to_all_single_autograd(rows, recv_splits[c], send_splits[c], group) for c, rows in enumerate(routed)]
+    outs = []
+    for c in range(chunks):
+        recv_counts = recv[:, c, :].reshape(-1)  # source-major: [s * local + e]
+        # Received rows are source-major; the experts want them expert-major.
+        slot = torch.repeat_interleave(
+            torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=sum(recv_splits[c])
+        )
+        regroup = torch.argsort((slot % local) * ep + slot // local, stable=True)
+        expert_out = compute(received[c][regroup], recv[:, c, :].sum(0))
+        source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
+        outs.append(all_to_all_single_autograd(source_major, send_splits[c], recv_splits[c], group))
+    return outs
+
+
+def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each expert output row times its fp32 router weight (the product in fp32, as transformers does)."""
+    return (out * weights.unsqueeze(-1)).to(dtype)
+
+
+def _gather_combine(out: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k expert outputs (rows ``copy_row`` [T * k] of ``out``) weighted and summed in fp32.
+
+    The compiled form of weighting + ``index_add``: one kernel that gathers a token's k rows and writes
+    the token once, instead of a zero fill, a weighting pass and bf16 atomic adds. Its backward is a
+    gather too (each copy row belongs to exactly one token), so it needs no atomics either.
+    """
+    num_tokens, k = top_w.shape
+    rows = out[copy_row].view(num_tokens, k, out.shape[-1])
+    return (rows * top_w.unsqueeze(-1)).sum(dim=1).to(dtype)
+
+
+def combine(out: torch.Tensor, route: Route, top_w: torch.Tensor, dtype: torch.dtype, fuse: bool) -> torch.Tensor:
+    """Each token's k expert outputs (``out``: rows in expert order) weighted by its router weights and summed."""
+    if fuse:
+        return fused(_gather_combine)(out, route.copy_row, top_w, dtype)
+    weights = top_w.reshape(-1)[route.order]
+    num_tokens = top_w.shape[0]
+    return out.new_zeros(num_tokens, out.shape[-1], dtype=dtype).index_add(0, route.token_of_copy, _weigh(out, weights, dtype))
