@@ -117,4 +117,3 @@ def test_weight_decay_skips_what_trainer_skips(arch):
         assert len(parameter_groups(swapped, experts, weight_decay=0.0)) == 2
     finally:
         dist.destroy_process_group()
-
