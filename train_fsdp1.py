@@ -12,7 +12,6 @@ Same model code, data order and loss as train_fsdp2.py, so both give the same lo
 
 import argparse
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -210,13 +209,11 @@ from transformers import AutoConfig, AutoTokenizer, Trainer, TrainerCallback  # 
 
 from megablocks_utils import (  # noqa: E402
     build_mesh,
-    causal_lm_loss_sum,
     clip_grad_norm_,
     count_label_tokens,
     expert_parameters,
     load_model,
     moe_blocks,
-    router_stats,
     spec_for,
     sync_expert_grads,
 )
@@ -241,7 +238,6 @@ from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
     weight_checksums,
 )
 from megablocks_utils.train.checkpoint import (  # noqa: E402
-    DISK_FULL_IN_SAVE_ENV,
     SAVE_ERRORS,
     CheckpointError,
     copy_model_files,
@@ -252,8 +248,6 @@ from megablocks_utils.train.metrics import active_params, write_summary  # noqa:
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
     NonFiniteSteps,
-    inject_nan_grad,
-    inject_nan_loss,
     where_to_continue,
 )
 from megablocks_utils.train.output_dir import (
@@ -262,7 +256,8 @@ from megablocks_utils.train.output_dir import (
     prepare_output_dir,
     stop_if_finished,
 )
-from megablocks_utils.train.run_log import MetricsLog, StepSums, summary_line
+from megablocks_utils.train.run_log import MetricsLog, summary_line
+from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.stop_signal import StopSignal
 
 # ----------------------------------------------------------------------------- process group
@@ -344,18 +339,18 @@ if master:
 
 # ----------------------------------------------------------------------------- the Trainer
 class StepMetrics(TrainerCallback):
-    """The step's sums, filled by the loss and reduced over ranks before the optimizer step
-    (MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
+    """The step's StepLoss (made by MoETrainer.get_batch_samples, filled by the loss, reduced over ranks
+    before the optimizer step in MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
 
     def __init__(self):
         self.log = None  # the MetricsLog, made once output_dir is ready
+        self.step_loss = None
         self.grad_norm = float("nan")
         self.skipped = False
         self.eval_pending = None  # a step's record waiting for its eval loss (MoETrainer.evaluate)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
-        self.sums = StepSums(device)
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if use_cuda:
@@ -364,7 +359,7 @@ class StepMetrics(TrainerCallback):
             control.should_evaluate = True  # the eval loss at the end too, as train_fsdp2.py
         # A step with an evaluation is written once its eval loss is known (MoETrainer.evaluate).
         evaluating = eval_set is not None and control.should_evaluate
-        record = self.log.record(state.global_step, self.sums, label_tokens=self.label_tokens, lr=lr_scheduler.get_last_lr()[0],
+        record = self.log.record(state.global_step, self.step_loss.sums, label_tokens=self.step_loss.label_tokens, lr=lr_scheduler.get_last_lr()[0],
                                  grad_norm=self.grad_norm, skipped=self.skipped, step_time=time.perf_counter() - self.start,
                                  write=not evaluating)
         self.eval_pending = record if evaluating else None
@@ -421,26 +416,20 @@ class MoETrainer(Trainer):
         )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """One optimizer step's micro-batches and the step's label-token count over all ranks (the loss denominator)."""
+        """One optimizer step's micro-batches and the step's label-token count over all ranks (the loss
+        denominator); the step's StepLoss starts here, before its first forward."""
         samples = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
         tokens = torch.tensor(sum(count_label_tokens(b["labels"]) for b in samples), dtype=torch.float64, device=device)
         dist.all_reduce(tokens, group=world_group)
-        step_metrics.label_tokens = float(tokens)
+        step_metrics.step_loss = StepLoss(self.state.global_step + 1, tokens, len(samples), aux_coef=aux_coef, group=world_group,
+                                          device=device)
         return samples, tokens
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Packed rows: per-document position_ids, no attention mask, no cache (data.collate)
-        out = model(**inputs["model_inputs"])
-        stats = router_stats(model, inputs["real"], world_group)
-        ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, inputs["labels"]), self.state.global_step + 1, rank, world_size)  # test hook
-        micro_steps = self.current_gradient_accumulation_steps
-        # Each rank's loss is world_size x its share of the global mean (FSDP averages dense gradients over
-        # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
-        # over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
-        loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
-        step_metrics.sums.add(ce_sum=ce_sum, aux=stats.value.double() / (micro_steps * world_size), tokens=inputs["real"].sum(),
-                              token_slots=inputs["input_ids"].numel(), attention_sq=inputs["attention_sq"],
-                              nonfinite=~torch.isfinite(loss.detach()), tokens_per_expert=stats.tokens_per_expert)
+        # Each rank's loss is world_size x its share of the step's global mean (megablocks_utils/train/step.py;
+        # FSDP averages dense gradients over ranks, sync_expert_grads the experts'). Summed over micro-steps
+        # and averaged over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
+        loss, out = step_metrics.step_loss.micro_batch(model, inputs)
         return (loss, out) if return_outputs else loss
 
     def _save_checkpoint(self, model, trial):
@@ -450,8 +439,6 @@ class MoETrainer(Trainer):
         error = None
         try:
             super()._save_checkpoint(model, trial)
-            if os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(self.state.global_step) and rank == world_size - 1:  # test hook
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         except SAVE_ERRORS as e:  # every rank must learn of it; the message says what it was
             error = e
         stop_if_save_failed(error, self.state.global_step, path, lambda: complete_trainer_checkpoints(self.args.output_dir),
@@ -471,7 +458,7 @@ class MoETrainer(Trainer):
     def balance_routing(self, optimizer, hook_args, hook_kwargs):
         """Right after each optimizer step: the step's global expert load moves the routing bias (balance.py)."""
         if not step_metrics.skipped:
-            update_routing_bias(self.model, step_metrics.sums.tokens_per_expert, load_balance_coeff)
+            update_routing_bias(self.model, step_metrics.step_loss.sums.tokens_per_expert, load_balance_coeff)
 
     def sync_and_clip(self, optimizer, hook_args, hook_kwargs):
         """Right before each optimizer step, on every rank: expert gradients averaged over dp, then the
@@ -482,13 +469,10 @@ class MoETrainer(Trainer):
         optimizer step that follows then changes nothing (AdamW passes over parameters without a
         gradient: no update, no moment or step count change); Trainer still steps the LR scheduler.
         """
-        step = self.state.global_step + 1
         sync_expert_grads(self.model, mesh)
-        inject_nan_grad(self.model.parameters(), step, rank, world_size)  # test hook
         norm = float(clip_grad_norm_(self.model.parameters(), max_grad_norm, sharded_group=grad_shard_group(self.model)))
-        sums = step_metrics.sums.all_reduce(world_group)
         step_metrics.grad_norm = norm
-        step_metrics.skipped = nonfinite_steps.check(step, sums.ce_sum / step_metrics.label_tokens + aux_coef * sums.aux, norm, int(sums.nonfinite))
+        step_metrics.skipped = step_metrics.step_loss.check(nonfinite_steps, norm)
         if step_metrics.skipped:
             optimizer.zero_grad(set_to_none=True)
 

@@ -135,11 +135,9 @@ from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
     build_mesh,
-    causal_lm_loss_sum,
     clip_grad_norm_,
     expert_parameters,
     load_model,
-    router_stats,
     spec_for,
 )
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
@@ -167,8 +165,6 @@ from megablocks_utils.train.metrics import active_params, write_summary  # noqa:
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
     NonFiniteSteps,
-    inject_nan_grad,
-    inject_nan_loss,
     where_to_continue,
 )
 from megablocks_utils.train.optim import (  # noqa: E402
@@ -183,7 +179,8 @@ from megablocks_utils.train.output_dir import (
     prepare_output_dir,
     stop_if_finished,
 )
-from megablocks_utils.train.run_log import MetricsLog, StepSums, summary_line
+from megablocks_utils.train.run_log import MetricsLog, summary_line
+from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.stop_signal import StopSignal
 from megablocks_utils.train.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
@@ -344,27 +341,19 @@ run_start = time.perf_counter()
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    sums = StepSums(device)  # summed over ranks below
+    # Each rank's loss is world_size x its share of the step's global token mean, so FSDP's average over
+    # ranks gives the global mean's gradient (megablocks_utils/train/step.py); the step's sums go with it.
+    step_loss = StepLoss(step + 1, step_label_tokens, len(micro_batches), aux_coef=aux_coef, group=world_group, device=device)
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
-        out = model(**batch["model_inputs"])
-        stats = router_stats(model, batch["real"], world_group)
-        ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
-        # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
-        loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
+        loss, _ = step_loss.micro_batch(model, batch)
         loss.backward()
-        sums.add(ce_sum=ce_sum, aux=stats.value.double() / (len(micro_batches) * world_size), tokens=batch["real"].sum(),
-                 token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"], nonfinite=~torch.isfinite(loss.detach()),
-                 tokens_per_expert=stats.tokens_per_expert)
-    inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
-    # Before the optimizer step, so every rank decides on the same global loss and norm.
-    sums.all_reduce(world_group)
-    try:
-        skipped = nonfinite_steps.check(step + 1, sums.ce_sum / step_label_tokens + aux_coef * sums.aux, float(grad_norm), int(sums.nonfinite))
+    try:  # before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm
+        skipped = step_loss.check(nonfinite_steps, grad_norm)
     except NonFiniteStep as e:
         if master:
             progress.close()  # the message on a line of its own
@@ -373,7 +362,7 @@ for step in range(start_step, total_steps):
     if not skipped:
         optimizer.step()
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
-        update_routing_bias(model, sums.tokens_per_expert, load_balance_coeff)
+        update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
     optimizer.zero_grad(set_to_none=True)
     if use_cuda:
@@ -383,7 +372,7 @@ for step in range(start_step, total_steps):
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
         evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
                               max_length, attention)
-    record = log.record(step + 1, sums, label_tokens=step_label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+    record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
                         skipped=skipped, step_time=step_time, eval_loss=evaluated)  # written to metrics.jsonl by rank 0
     if master:
         if board:
