@@ -66,6 +66,7 @@ from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
 from megablocks_utils.config.inputs import (  # noqa: E402
     InputError,
+    check_data_and_model,
     check_ep_size,
     check_output_dir,
     fail,
@@ -78,14 +79,8 @@ from megablocks_utils.config.settings import (  # noqa: E402
     help_comments,
     parse_settings,
 )
-from megablocks_utils.data.records import read_records
 from megablocks_utils.model.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
-from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.model.tiny import (  # noqa: E402
-    TINY_CONFIG,
-    default_model_pending,
-    ensure_default_model,
-)
+from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.tools.memory import load_config  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -180,17 +175,8 @@ try:
     every_n = (args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
         raise InputError(f"activation_checkpointing_kwargs every_n_layers={every_n!r} must be a positive integer (1 = every layer)")
-    read_records(data_path)
-    if eval_data_path and eval_split > 0:
-        raise InputError("give eval_data_path or eval_split, not both")
-    if eval_data_path:
-        read_records(eval_data_path)
-    num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
-    if not default_model_pending(model_name_or_path):
-        num_experts, experts_name = check_model_dir(model_name_or_path)
-        check_tokenizer_files(model_name_or_path)
-    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
-    choose_attention(attn_implementation, model_config, "cuda" if use_cuda else "cpu")  # an impossible kernel stops here
+    num_experts, experts_name, model_config = check_data_and_model(data_path, eval_data_path, eval_split, model_name_or_path,
+                                                                  attn_implementation, "cuda" if use_cuda else "cpu")
     resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
     # accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
@@ -226,7 +212,7 @@ from megablocks_utils.data.batches import (
 from megablocks_utils.model.architectures import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.moe.balance import (  # noqa: E402
     add_routing_bias,
-    routing_bias_exported,
+    routing_bias_note,
     update_routing_bias,
 )
 from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
@@ -244,7 +230,7 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     stop_if_save_failed,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.train.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
     NonFiniteSteps,
@@ -256,7 +242,7 @@ from megablocks_utils.train.output_dir import (
     prepare_output_dir,
     stop_if_finished,
 )
-from megablocks_utils.train.run_log import MetricsLog, summary_line
+from megablocks_utils.train.run_log import MetricsLog
 from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.stop_signal import StopSignal
 
@@ -284,7 +270,7 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
 # The fit check (megablocks_utils/tools/memory.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.tools.memory import estimate_memory, fit_error  # noqa: E402
+from megablocks_utils.tools.memory import check_fit, estimate_memory  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
@@ -294,12 +280,7 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        activation_checkpointing="full" if args.activation_checkpointing else "none",
                        # Trainer's activation_checkpointing_kwargs {"every_n_layers": n} checkpoints layers 0, n, 2n, ...
                        activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)))
-if master:
-    print(plan.describe(), flush=True)
-if use_cuda:
-    too_big = fit_error(plan, torch.cuda.get_device_properties(device).total_memory)
-    if too_big:
-        fail(too_big)
+check_fit(plan, torch.cuda.get_device_properties(device).total_memory if use_cuda else 0)  # rank 0 prints it; too big: every rank stops
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
@@ -570,13 +551,5 @@ summary = step_metrics.log.summary(
 )
 export_hf_fsdp1(wrapped, mesh, os.path.join(args.output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
-    step_metrics.log.close()
-    write_summary(os.path.join(args.output_dir, "summary.json"), summary)
-    print(summary_line(summary), flush=True)
-    if nonfinite_steps.skipped:
-        print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
-    print(f"saved the model in hub layout to {os.path.join(args.output_dir, 'final')}", flush=True)
-    if load_balance_coeff > 0 and not routing_bias_exported(model):
-        print(f"note: {config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
-              "was not exported (the training checkpoints keep it); the exported model routes without it", flush=True)
+    step_metrics.log.finish(summary, args.output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the last lines
 dist.destroy_process_group()

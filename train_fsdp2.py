@@ -70,6 +70,7 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 # Only light modules before the inputs are checked (transformers and the model come after).
 from megablocks_utils.config.inputs import (  # noqa: E402
     InputError,
+    check_data_and_model,
     check_dp_replicate,
     check_ep_size,
     check_output_dir,
@@ -78,23 +79,15 @@ from megablocks_utils.config.inputs import (  # noqa: E402
     stop_together,
 )
 from megablocks_utils.config.settings import parse_settings  # noqa: E402
-from megablocks_utils.data.records import read_records
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
-from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.model.tiny import (  # noqa: E402
-    TINY_CONFIG,
-    default_model_pending,
-    ensure_default_model,
-)
+from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
 )
 from megablocks_utils.tools.memory import (  # noqa: E402
     check_checkpointed_layers,
-    checkpointing_hint,
+    check_fit,
     estimate_memory,
-    fit_error,
-    load_config,
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -110,18 +103,9 @@ try:
     settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
     if report_to == "tensorboard":
         require_tensorboard()
-    read_records(data_path)
-    if eval_data_path and eval_split > 0:
-        raise InputError("give eval_data_path or eval_split, not both")
-    if eval_data_path:
-        read_records(eval_data_path)
-    num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
-    if not default_model_pending(model_name_or_path):
-        num_experts, experts_name = check_model_dir(model_name_or_path)
-        check_tokenizer_files(model_name_or_path)
-    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
+    num_experts, experts_name, model_config = check_data_and_model(data_path, eval_data_path, eval_split, model_name_or_path,
+                                                                  attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
     check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
-    choose_attention(attn_implementation, model_config, "cuda" if torch.cuda.is_available() else "cpu")  # an impossible kernel stops here
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -143,7 +127,7 @@ from megablocks_utils import (  # noqa: E402
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
 from megablocks_utils.moe.balance import (  # noqa: E402
     add_routing_bias,
-    routing_bias_exported,
+    routing_bias_note,
     update_routing_bias,
 )
 from megablocks_utils.parallel.parallelize import (  # noqa: E402
@@ -161,7 +145,7 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.train.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
     NonFiniteSteps,
@@ -179,7 +163,7 @@ from megablocks_utils.train.output_dir import (
     prepare_output_dir,
     stop_if_finished,
 )
-from megablocks_utils.train.run_log import MetricsLog, summary_line
+from megablocks_utils.train.run_log import MetricsLog
 from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.stop_signal import StopSignal
 from megablocks_utils.train.tensorboard_writer import TensorBoardWriter  # noqa: E402
@@ -228,16 +212,10 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
                        gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
                        activation_checkpointing_layers=activation_checkpointing_layers)
-if master:
-    print(plan.describe(), flush=True)
+gpu_bytes = 0  # on CPU: nothing to fit into
 if use_cuda:
     gpu_bytes = gpu_memory_gib * 2**30 if gpu_memory_gib > 0 else torch.cuda.get_device_properties(device).total_memory
-    too_big = fit_error(plan, gpu_bytes)
-    if too_big:
-        fail(too_big)
-    hint = checkpointing_hint(plan, gpu_bytes)
-    if master and hint:
-        print(hint, flush=True)
+check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
@@ -405,15 +383,7 @@ summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipp
 export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     progress.close()
-    log.close()
     if board:
         board.close()
-    write_summary(os.path.join(output_dir, "summary.json"), summary)
-    print(summary_line(summary), flush=True)
-    if nonfinite_steps.skipped:
-        print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
-    print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
-    if load_balance_coeff > 0 and not routing_bias_exported(model):
-        print(f"note: {config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
-              "was not exported (the training checkpoints keep it); the exported model routes without it", flush=True)
+    log.finish(summary, output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the last lines
 dist.destroy_process_group()
