@@ -348,7 +348,8 @@ def snapshot(path):
 
 
 def test_resuming_a_finished_run_changes_nothing(finished):
-    """Before: it "resumed" at the end and wrote an empty run's summary.json (final_loss null) and final/ again."""
+    """A resume at the last step trains nothing and writes nothing: not an empty run's summary.json (final_loss null),
+    not final/ again."""
     script, out, args = finished
     before = snapshot(out)
     result = launch_one_rank(script, *args, *RESUME[script])
@@ -361,8 +362,9 @@ def test_resuming_a_finished_run_changes_nothing(finished):
 
 @pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
 def test_full_disk_while_saving_stops_with_one_message(tiny_model_dir, tmp_path, script):
-    """Before: torch's "[enforce fail at inline_container.cc:672] unexpected pos" traceback on every rank, and the
-    partial checkpoint left behind (step_00000002.tmp; Trainer's checkpoint-2)."""
+    """A save that fails for want of space (tests/inject_faults.py --disk_full_at) gives one message, not torch's
+    "[enforce fail at inline_container.cc:672] unexpected pos" traceback on every rank, and leaves no partial
+    checkpoint (step_00000002.tmp; Trainer's checkpoint-2)."""
     out = tmp_path / "run"
     save = ["--save_steps", "1"] if script == "train_fsdp2.py" else ["--save_strategy", "steps", "--save_steps", "1"]
     result = launch_one_rank(script, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), *TWO_STEPS, *save,
@@ -394,6 +396,6 @@ def check_stop_signal_is_agreed(rank, world):
 
 
 def test_sigterm_between_the_all_reduce_and_the_decision_counts_next_step_on_every_rank():
-    """The race that failed CI (2026-11-23): a rank signalled just after the step's all-reduce read the
-    flag as set and stopped (and saved) alone. Now each step's decision is the all-reduced value only."""
+    """A rank signalled just after the step's all-reduce does not stop (and save) alone: each step's decision is
+    the all-reduced value only."""
     run_ranks(check_stop_signal_is_agreed, 2)
