@@ -280,7 +280,7 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        activation_checkpointing="full" if args.activation_checkpointing else "none",
                        # Trainer's activation_checkpointing_kwargs {"every_n_layers": n} checkpoints layers 0, n, 2n, ...
                        activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)))
-check_fit(plan, torch.cuda.get_device_properties(device).total_memory if use_cuda else 0)  # rank 0 prints it; too big: every rank stops
+check_fit(plan, torch.cuda.get_device_properties(device).total_memory if use_cuda else 0)  # too big for the GPU: every rank stops
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
@@ -320,8 +320,8 @@ if master:
 
 # ----------------------------------------------------------------------------- the Trainer
 class StepMetrics(TrainerCallback):
-    """The step's StepLoss (made by MoETrainer.get_batch_samples, filled by the loss, reduced over ranks
-    before the optimizer step in MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
+    """The step's StepLoss (made by MoETrainer.get_batch_samples, filled by compute_loss, reduced over ranks
+    before the optimizer step by MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
 
     def __init__(self):
         self.log = None  # the MetricsLog, made once output_dir is ready
@@ -340,9 +340,9 @@ class StepMetrics(TrainerCallback):
             control.should_evaluate = True  # the eval loss at the end too, as train_fsdp2.py
         # A step with an evaluation is written once its eval loss is known (MoETrainer.evaluate).
         evaluating = eval_set is not None and control.should_evaluate
-        record = self.log.record(state.global_step, self.step_loss.sums, label_tokens=self.step_loss.label_tokens, lr=lr_scheduler.get_last_lr()[0],
-                                 grad_norm=self.grad_norm, skipped=self.skipped, step_time=time.perf_counter() - self.start,
-                                 write=not evaluating)
+        record = self.log.record(state.global_step, self.step_loss.sums, label_tokens=self.step_loss.label_tokens,
+                                 lr=lr_scheduler.get_last_lr()[0], grad_norm=self.grad_norm, skipped=self.skipped,
+                                 step_time=time.perf_counter() - self.start, write=not evaluating)
         self.eval_pending = record if evaluating else None
 
 
@@ -551,5 +551,5 @@ summary = step_metrics.log.summary(
 )
 export_hf_fsdp1(wrapped, mesh, os.path.join(args.output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
-    step_metrics.log.finish(summary, args.output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the last lines
+    step_metrics.log.finish(summary, args.output_dir, note=routing_bias_note(model, load_balance_coeff))
 dist.destroy_process_group()

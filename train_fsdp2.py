@@ -350,8 +350,8 @@ for step in range(start_step, total_steps):
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
         evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
                               max_length, attention)
-    record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                        skipped=skipped, step_time=step_time, eval_loss=evaluated)  # written to metrics.jsonl by rank 0
+    record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0],
+                        grad_norm=grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)  # rank 0 writes it to metrics.jsonl
     if master:
         if board:
             board.write(record)
@@ -385,5 +385,5 @@ if master:
     progress.close()
     if board:
         board.close()
-    log.finish(summary, output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the last lines
+    log.finish(summary, output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the run's last lines
 dist.destroy_process_group()

@@ -181,10 +181,11 @@ def check_data_and_model(data_path: str, eval_data_path: str, eval_split: float,
         raise InputError("give eval_data_path or eval_split, not both")
     if eval_data_path:
         read_records(eval_data_path)
-    num_experts, experts_name = None, ""
-    if not default_model_pending(model_name_or_path):
+    if default_model_pending(model_name_or_path):
+        num_experts, experts_name, model_config = None, "", load_config({"model_type": "mixtral", **TINY_CONFIG})
+    else:
         num_experts, experts_name = check_model_dir(model_name_or_path)
         check_tokenizer_files(model_name_or_path)
-    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
+        model_config = load_config(model_name_or_path)
     choose_attention(attn_implementation, model_config, device_type)  # an impossible kernel stops here
     return num_experts, experts_name, model_config
