@@ -350,8 +350,9 @@ for step in range(start_step, total_steps):
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
         evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
                               max_length, attention)
+    # The step's record, the same on every rank; rank 0 writes it to metrics.jsonl.
     record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0],
-                        grad_norm=grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)  # rank 0 writes it to metrics.jsonl
+                        grad_norm=grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)
     if master:
         if board:
             board.write(record)
