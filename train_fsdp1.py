@@ -373,7 +373,7 @@ class MoETrainer(Trainer):
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         # On a CPU-only machine accelerate does not select FSDP: put its state on the FSDP1 path
-        # (megablocks_utils/fsdp1.py), so wrapping and checkpoints take the same code as on GPUs.
+        # (megablocks_utils/parallel/fsdp1.py), so wrapping and checkpoints take the same code as on GPUs.
         self.fsdp_made_on_cpu = fsdp_on_cpu(self.accelerator)
         if self.fsdp_made_on_cpu:
             self.is_fsdp_enabled = True
@@ -502,7 +502,7 @@ if args.bf16:  # bf16 compute with fp32 gradient reduction and fp32 buffers (rot
 
     plugin.mixed_precision_policy = MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 if master:
-    print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
+    print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/parallel/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
 
 # ----------------------------------------------------------------------------- train
 kept = None

@@ -243,7 +243,7 @@ def make_batch(vocab: int, batch: int = 4, seq: int = 12):
 def check_fsdp1_clip_is_global(rank, world, ep_size, use_orig_params):
     from functools import partial
 
-    from megablocks_utils.fsdp1 import grad_shard_group
+    from megablocks_utils.parallel.fsdp1 import grad_shard_group
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import MixtralForCausalLM
