@@ -12,7 +12,6 @@ Same model code, data order and loss as train_fsdp2.py, so both give the same lo
 
 import argparse
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -67,6 +66,7 @@ from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
 from megablocks_utils.config.inputs import (  # noqa: E402
     InputError,
+    check_data_and_model,
     check_ep_size,
     check_output_dir,
     fail,
@@ -79,14 +79,8 @@ from megablocks_utils.config.settings import (  # noqa: E402
     help_comments,
     parse_settings,
 )
-from megablocks_utils.data.records import read_records
 from megablocks_utils.model.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
-from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.model.tiny import (  # noqa: E402
-    TINY_CONFIG,
-    default_model_pending,
-    ensure_default_model,
-)
+from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.tools.memory import load_config  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -181,17 +175,8 @@ try:
     every_n = (args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
         raise InputError(f"activation_checkpointing_kwargs every_n_layers={every_n!r} must be a positive integer (1 = every layer)")
-    read_records(data_path)
-    if eval_data_path and eval_split > 0:
-        raise InputError("give eval_data_path or eval_split, not both")
-    if eval_data_path:
-        read_records(eval_data_path)
-    num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
-    if not default_model_pending(model_name_or_path):
-        num_experts, experts_name = check_model_dir(model_name_or_path)
-        check_tokenizer_files(model_name_or_path)
-    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
-    choose_attention(attn_implementation, model_config, "cuda" if use_cuda else "cpu")  # an impossible kernel stops here
+    num_experts, experts_name, model_config = check_data_and_model(data_path, eval_data_path, eval_split, model_name_or_path,
+                                                                  attn_implementation, "cuda" if use_cuda else "cpu")
     resume = trainer_checkpoint(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, RESULTS, overwrite_output_dir, resume is not None, "--resume_from_checkpoint last")
     # accelerate launch with accelerate.yaml sets ACCELERATE_USE_FSDP and the FSDP_* variables; anything
@@ -210,13 +195,11 @@ from transformers import AutoConfig, AutoTokenizer, Trainer, TrainerCallback  # 
 
 from megablocks_utils import (  # noqa: E402
     build_mesh,
-    causal_lm_loss_sum,
     clip_grad_norm_,
     count_label_tokens,
     expert_parameters,
     load_model,
     moe_blocks,
-    router_stats,
     spec_for,
     sync_expert_grads,
 )
@@ -229,7 +212,7 @@ from megablocks_utils.data.batches import (
 from megablocks_utils.model.architectures import decoder_layer_class_name  # noqa: E402
 from megablocks_utils.moe.balance import (  # noqa: E402
     add_routing_bias,
-    routing_bias_exported,
+    routing_bias_note,
     update_routing_bias,
 )
 from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
@@ -241,19 +224,16 @@ from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
     weight_checksums,
 )
 from megablocks_utils.train.checkpoint import (  # noqa: E402
-    DISK_FULL_IN_SAVE_ENV,
     SAVE_ERRORS,
     CheckpointError,
     copy_model_files,
     stop_if_save_failed,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.train.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
     NonFiniteSteps,
-    inject_nan_grad,
-    inject_nan_loss,
     where_to_continue,
 )
 from megablocks_utils.train.output_dir import (
@@ -262,7 +242,8 @@ from megablocks_utils.train.output_dir import (
     prepare_output_dir,
     stop_if_finished,
 )
-from megablocks_utils.train.run_log import MetricsLog, StepSums, summary_line
+from megablocks_utils.train.run_log import MetricsLog
+from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.stop_signal import StopSignal
 
 # ----------------------------------------------------------------------------- process group
@@ -289,7 +270,7 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
 # The fit check (megablocks_utils/tools/memory.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.tools.memory import estimate_memory, fit_error  # noqa: E402
+from megablocks_utils.tools.memory import check_fit, estimate_memory  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,
@@ -299,12 +280,7 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        activation_checkpointing="full" if args.activation_checkpointing else "none",
                        # Trainer's activation_checkpointing_kwargs {"every_n_layers": n} checkpoints layers 0, n, 2n, ...
                        activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)))
-if master:
-    print(plan.describe(), flush=True)
-if use_cuda:
-    too_big = fit_error(plan, torch.cuda.get_device_properties(device).total_memory)
-    if too_big:
-        fail(too_big)
+check_fit(plan, torch.cuda.get_device_properties(device).total_memory if use_cuda else 0)  # too big for the GPU: every rank stops
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
@@ -344,18 +320,18 @@ if master:
 
 # ----------------------------------------------------------------------------- the Trainer
 class StepMetrics(TrainerCallback):
-    """The step's sums, filled by the loss and reduced over ranks before the optimizer step
-    (MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
+    """The step's StepLoss (made by MoETrainer.get_batch_samples, filled by compute_loss, reduced over ranks
+    before the optimizer step by MoETrainer.sync_and_clip); the step's record goes to metrics.jsonl at its end (``log``)."""
 
     def __init__(self):
         self.log = None  # the MetricsLog, made once output_dir is ready
+        self.step_loss = None
         self.grad_norm = float("nan")
         self.skipped = False
         self.eval_pending = None  # a step's record waiting for its eval loss (MoETrainer.evaluate)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
-        self.sums = StepSums(device)
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if use_cuda:
@@ -364,9 +340,9 @@ class StepMetrics(TrainerCallback):
             control.should_evaluate = True  # the eval loss at the end too, as train_fsdp2.py
         # A step with an evaluation is written once its eval loss is known (MoETrainer.evaluate).
         evaluating = eval_set is not None and control.should_evaluate
-        record = self.log.record(state.global_step, self.sums, label_tokens=self.label_tokens, lr=lr_scheduler.get_last_lr()[0],
-                                 grad_norm=self.grad_norm, skipped=self.skipped, step_time=time.perf_counter() - self.start,
-                                 write=not evaluating)
+        record = self.log.record(state.global_step, self.step_loss.sums, label_tokens=self.step_loss.label_tokens,
+                                 lr=lr_scheduler.get_last_lr()[0], grad_norm=self.grad_norm, skipped=self.skipped,
+                                 step_time=time.perf_counter() - self.start, write=not evaluating)
         self.eval_pending = record if evaluating else None
 
 
@@ -397,7 +373,7 @@ class MoETrainer(Trainer):
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         # On a CPU-only machine accelerate does not select FSDP: put its state on the FSDP1 path
-        # (megablocks_utils/fsdp1.py), so wrapping and checkpoints take the same code as on GPUs.
+        # (megablocks_utils/parallel/fsdp1.py), so wrapping and checkpoints take the same code as on GPUs.
         self.fsdp_made_on_cpu = fsdp_on_cpu(self.accelerator)
         if self.fsdp_made_on_cpu:
             self.is_fsdp_enabled = True
@@ -421,26 +397,20 @@ class MoETrainer(Trainer):
         )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """One optimizer step's micro-batches and the step's label-token count over all ranks (the loss denominator)."""
+        """One optimizer step's micro-batches and the step's label-token count over all ranks (the loss
+        denominator); the step's StepLoss starts here, before its first forward."""
         samples = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
         tokens = torch.tensor(sum(count_label_tokens(b["labels"]) for b in samples), dtype=torch.float64, device=device)
         dist.all_reduce(tokens, group=world_group)
-        step_metrics.label_tokens = float(tokens)
+        step_metrics.step_loss = StepLoss(self.state.global_step + 1, tokens, len(samples), aux_coef=aux_coef, group=world_group,
+                                          device=device)
         return samples, tokens
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Packed rows: per-document position_ids, no attention mask, no cache (data.collate)
-        out = model(**inputs["model_inputs"])
-        stats = router_stats(model, inputs["real"], world_group)
-        ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, inputs["labels"]), self.state.global_step + 1, rank, world_size)  # test hook
-        micro_steps = self.current_gradient_accumulation_steps
-        # Each rank's loss is world_size x its share of the global mean (FSDP averages dense gradients over
-        # ranks; sync_expert_grads does the same for the experts). Summed over micro-steps and averaged
-        # over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
-        loss = world_size * (ce_sum / num_items_in_batch + aux_coef * stats.local / micro_steps)
-        step_metrics.sums.add(ce_sum=ce_sum, aux=stats.value.double() / (micro_steps * world_size), tokens=inputs["real"].sum(),
-                              token_slots=inputs["input_ids"].numel(), attention_sq=inputs["attention_sq"],
-                              nonfinite=~torch.isfinite(loss.detach()), tokens_per_expert=stats.tokens_per_expert)
+        # Each rank's loss is world_size x its share of the step's global mean (megablocks_utils/train/step.py;
+        # FSDP averages dense gradients over ranks, sync_expert_grads the experts'). Summed over micro-steps
+        # and averaged over ranks, as Trainer logs it, it is exactly train_fsdp2.py's loss.
+        loss, out = step_metrics.step_loss.micro_batch(model, inputs)
         return (loss, out) if return_outputs else loss
 
     def _save_checkpoint(self, model, trial):
@@ -450,8 +420,6 @@ class MoETrainer(Trainer):
         error = None
         try:
             super()._save_checkpoint(model, trial)
-            if os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(self.state.global_step) and rank == world_size - 1:  # test hook
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         except SAVE_ERRORS as e:  # every rank must learn of it; the message says what it was
             error = e
         stop_if_save_failed(error, self.state.global_step, path, lambda: complete_trainer_checkpoints(self.args.output_dir),
@@ -471,7 +439,7 @@ class MoETrainer(Trainer):
     def balance_routing(self, optimizer, hook_args, hook_kwargs):
         """Right after each optimizer step: the step's global expert load moves the routing bias (balance.py)."""
         if not step_metrics.skipped:
-            update_routing_bias(self.model, step_metrics.sums.tokens_per_expert, load_balance_coeff)
+            update_routing_bias(self.model, step_metrics.step_loss.sums.tokens_per_expert, load_balance_coeff)
 
     def sync_and_clip(self, optimizer, hook_args, hook_kwargs):
         """Right before each optimizer step, on every rank: expert gradients averaged over dp, then the
@@ -482,13 +450,10 @@ class MoETrainer(Trainer):
         optimizer step that follows then changes nothing (AdamW passes over parameters without a
         gradient: no update, no moment or step count change); Trainer still steps the LR scheduler.
         """
-        step = self.state.global_step + 1
         sync_expert_grads(self.model, mesh)
-        inject_nan_grad(self.model.parameters(), step, rank, world_size)  # test hook
         norm = float(clip_grad_norm_(self.model.parameters(), max_grad_norm, sharded_group=grad_shard_group(self.model)))
-        sums = step_metrics.sums.all_reduce(world_group)
         step_metrics.grad_norm = norm
-        step_metrics.skipped = nonfinite_steps.check(step, sums.ce_sum / step_metrics.label_tokens + aux_coef * sums.aux, norm, int(sums.nonfinite))
+        step_metrics.skipped = step_metrics.step_loss.check(nonfinite_steps, norm)
         if step_metrics.skipped:
             optimizer.zero_grad(set_to_none=True)
 
@@ -537,7 +502,7 @@ if args.bf16:  # bf16 compute with fp32 gradient reduction and fp32 buffers (rot
 
     plugin.mixed_precision_policy = MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 if master:
-    print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
+    print(f"accelerate: {trainer.accelerator.distributed_type}" + (" (on CPU/gloo, see megablocks_utils/parallel/fsdp1.py)" if trainer.fsdp_made_on_cpu else ""), flush=True)
 
 # ----------------------------------------------------------------------------- train
 kept = None
@@ -586,13 +551,5 @@ summary = step_metrics.log.summary(
 )
 export_hf_fsdp1(wrapped, mesh, os.path.join(args.output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
-    step_metrics.log.close()
-    write_summary(os.path.join(args.output_dir, "summary.json"), summary)
-    print(summary_line(summary), flush=True)
-    if nonfinite_steps.skipped:
-        print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
-    print(f"saved the model in hub layout to {os.path.join(args.output_dir, 'final')}", flush=True)
-    if load_balance_coeff > 0 and not routing_bias_exported(model):
-        print(f"note: {config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
-              "was not exported (the training checkpoints keep it); the exported model routes without it", flush=True)
+    step_metrics.log.finish(summary, args.output_dir, note=routing_bias_note(model, load_balance_coeff))
 dist.destroy_process_group()

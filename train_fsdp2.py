@@ -70,6 +70,7 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 # Only light modules before the inputs are checked (transformers and the model come after).
 from megablocks_utils.config.inputs import (  # noqa: E402
     InputError,
+    check_data_and_model,
     check_dp_replicate,
     check_ep_size,
     check_output_dir,
@@ -78,23 +79,15 @@ from megablocks_utils.config.inputs import (  # noqa: E402
     stop_together,
 )
 from megablocks_utils.config.settings import parse_settings  # noqa: E402
-from megablocks_utils.data.records import read_records
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
-from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files  # noqa: E402
-from megablocks_utils.model.tiny import (  # noqa: E402
-    TINY_CONFIG,
-    default_model_pending,
-    ensure_default_model,
-)
+from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
 )
 from megablocks_utils.tools.memory import (  # noqa: E402
     check_checkpointed_layers,
-    checkpointing_hint,
+    check_fit,
     estimate_memory,
-    fit_error,
-    load_config,
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -110,18 +103,9 @@ try:
     settings["activation_checkpointing"] = activation_checkpointing = parse_activation_checkpointing(activation_checkpointing)
     if report_to == "tensorboard":
         require_tensorboard()
-    read_records(data_path)
-    if eval_data_path and eval_split > 0:
-        raise InputError("give eval_data_path or eval_split, not both")
-    if eval_data_path:
-        read_records(eval_data_path)
-    num_experts, experts_name = None, ""  # the embedded default, made later, needs no check
-    if not default_model_pending(model_name_or_path):
-        num_experts, experts_name = check_model_dir(model_name_or_path)
-        check_tokenizer_files(model_name_or_path)
-    model_config = load_config({"model_type": "mixtral", **TINY_CONFIG} if default_model_pending(model_name_or_path) else model_name_or_path)
+    num_experts, experts_name, model_config = check_data_and_model(data_path, eval_data_path, eval_split, model_name_or_path,
+                                                                  attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
     check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
-    choose_attention(attn_implementation, model_config, "cuda" if torch.cuda.is_available() else "cpu")  # an impossible kernel stops here
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -135,17 +119,15 @@ from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
     build_mesh,
-    causal_lm_loss_sum,
     clip_grad_norm_,
     expert_parameters,
     load_model,
-    router_stats,
     spec_for,
 )
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
 from megablocks_utils.moe.balance import (  # noqa: E402
     add_routing_bias,
-    routing_bias_exported,
+    routing_bias_note,
     update_routing_bias,
 )
 from megablocks_utils.parallel.parallelize import (  # noqa: E402
@@ -163,12 +145,10 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.train.metrics import active_params, write_summary  # noqa: E402
+from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
     NonFiniteSteps,
-    inject_nan_grad,
-    inject_nan_loss,
     where_to_continue,
 )
 from megablocks_utils.train.optim import (  # noqa: E402
@@ -183,7 +163,8 @@ from megablocks_utils.train.output_dir import (
     prepare_output_dir,
     stop_if_finished,
 )
-from megablocks_utils.train.run_log import MetricsLog, StepSums, summary_line
+from megablocks_utils.train.run_log import MetricsLog
+from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.stop_signal import StopSignal
 from megablocks_utils.train.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
@@ -231,16 +212,10 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
                        gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
                        activation_checkpointing_layers=activation_checkpointing_layers)
-if master:
-    print(plan.describe(), flush=True)
+gpu_bytes = 0  # on CPU: nothing to fit into
 if use_cuda:
     gpu_bytes = gpu_memory_gib * 2**30 if gpu_memory_gib > 0 else torch.cuda.get_device_properties(device).total_memory
-    too_big = fit_error(plan, gpu_bytes)
-    if too_big:
-        fail(too_big)
-    hint = checkpointing_hint(plan, gpu_bytes)
-    if master and hint:
-        print(hint, flush=True)
+check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
 with stop_together():
@@ -344,27 +319,19 @@ run_start = time.perf_counter()
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
     micro_batches, step_label_tokens = batches.micro_batches(step)
-    sums = StepSums(device)  # summed over ranks below
+    # Each rank's loss is world_size x its share of the step's global token mean, so FSDP's average over
+    # ranks gives the global mean's gradient (megablocks_utils/train/step.py); the step's sums go with it.
+    step_loss = StepLoss(step + 1, step_label_tokens, len(micro_batches), aux_coef=aux_coef, group=world_group, device=device)
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
-        out = model(**batch["model_inputs"])
-        stats = router_stats(model, batch["real"], world_group)
-        ce_sum = inject_nan_loss(causal_lm_loss_sum(out.logits, batch["labels"]), step + 1, rank, world_size)  # test hook
-        # Each rank's loss is world_size x its share of the global mean (FSDP averages over ranks).
-        loss = world_size * (ce_sum / step_label_tokens + aux_coef * stats.local / len(micro_batches))
+        loss, _ = step_loss.micro_batch(model, batch)
         loss.backward()
-        sums.add(ce_sum=ce_sum, aux=stats.value.double() / (len(micro_batches) * world_size), tokens=batch["real"].sum(),
-                 token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"], nonfinite=~torch.isfinite(loss.detach()),
-                 tokens_per_expert=stats.tokens_per_expert)
-    inject_nan_grad(model.parameters(), step + 1, rank, world_size)  # test hook
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
-    # Before the optimizer step, so every rank decides on the same global loss and norm.
-    sums.all_reduce(world_group)
-    try:
-        skipped = nonfinite_steps.check(step + 1, sums.ce_sum / step_label_tokens + aux_coef * sums.aux, float(grad_norm), int(sums.nonfinite))
+    try:  # before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm
+        skipped = step_loss.check(nonfinite_steps, grad_norm)
     except NonFiniteStep as e:
         if master:
             progress.close()  # the message on a line of its own
@@ -373,7 +340,7 @@ for step in range(start_step, total_steps):
     if not skipped:
         optimizer.step()
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
-        update_routing_bias(model, sums.tokens_per_expert, load_balance_coeff)
+        update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
     optimizer.zero_grad(set_to_none=True)
     if use_cuda:
@@ -383,8 +350,9 @@ for step in range(start_step, total_steps):
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
         evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
                               max_length, attention)
-    record = log.record(step + 1, sums, label_tokens=step_label_tokens, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                        skipped=skipped, step_time=step_time, eval_loss=evaluated)  # written to metrics.jsonl by rank 0
+    # The step's record, the same on every rank; rank 0 writes it to metrics.jsonl.
+    record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0],
+                        grad_norm=grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)
     if master:
         if board:
             board.write(record)
@@ -416,15 +384,7 @@ summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipp
 export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     progress.close()
-    log.close()
     if board:
         board.close()
-    write_summary(os.path.join(output_dir, "summary.json"), summary)
-    print(summary_line(summary), flush=True)
-    if nonfinite_steps.skipped:
-        print(f"skipped steps: {nonfinite_steps.skipped} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)", flush=True)
-    print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
-    if load_balance_coeff > 0 and not routing_bias_exported(model):
-        print(f"note: {config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
-              "was not exported (the training checkpoints keep it); the exported model routes without it", flush=True)
+    log.finish(summary, output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the run's last lines
 dist.destroy_process_group()

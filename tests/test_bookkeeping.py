@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROOT, free_port, read_jsonl, run_ranks
+from inject_faults import full_disk_write
 from test_bad_input import assert_one_message, run_plain
+from torch.distributed.checkpoint import FileSystemWriter
 
 from megablocks_utils.config.inputs import InputError, check_output_dir
 from megablocks_utils.model.loading import check_model_dir
 from megablocks_utils.train.checkpoint import (
-    DISK_FULL_IN_SAVE_ENV,
     CheckpointError,
     complete_checkpoints,
     disk_full,
@@ -233,15 +234,14 @@ def save(root, step, training):
 def test_full_disk_in_dcp_removes_the_partial_checkpoint(tmp_path, tiny_training, monkeypatch):
     root = tmp_path / "checkpoints"
     save(root, 2, tiny_training)
-    monkeypatch.setenv(DISK_FULL_IN_SAVE_ENV, "4")  # the shard writes fail inside DCP, as with ENOSPC
-    with pytest.raises(CheckpointError) as e:
+    with monkeypatch.context() as patch, pytest.raises(CheckpointError) as e:
+        patch.setattr(FileSystemWriter, "write_data", full_disk_write)  # the shard writes fail inside DCP, as with ENOSPC
         save(root, 4, tiny_training)
     message = str(e.value)
     assert message.startswith(f"the disk is full: saving the checkpoint of step 4 to {root}/step_00000004.tmp failed (OSError: [Errno 28]")
     assert f"removed the partial step_00000004.tmp; the last complete checkpoint is {root}/step_00000002" in message
     assert "continue with --resume auto" in message
     assert os.listdir(root) == ["step_00000002"]
-    monkeypatch.delenv(DISK_FULL_IN_SAVE_ENV)
     save(root, 4, tiny_training)  # space again: the next save works
     assert complete_checkpoints(str(root)) == [str(root / "step_00000002"), str(root / "step_00000004")]
 
@@ -298,16 +298,18 @@ SAVE = {"train_fsdp2.py": ["--save_steps", "2"], "train_fsdp1.py": ["--save_stra
 RESUME = {"train_fsdp2.py": ["--resume", "auto"], "train_fsdp1.py": ["--resume_from_checkpoint", "last"]}
 
 
-def launch_one_rank(script, *args, env=None):
-    """The script on one CPU rank under its own launcher (torchrun; accelerate launch with README's config)."""
+def launch_one_rank(script, *args, faults=()):
+    """The script on one CPU rank under its own launcher (torchrun; accelerate launch with README's config);
+    with ``faults``, through tests/inject_faults.py."""
     if script == "train_fsdp2.py":
         launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     else:
         launcher = ["accelerate.commands.launch", "--main_process_port", str(free_port()), "--num_processes", "1",
                     "--config_file", "accelerate.yaml"]
         args = ("--accelerator_config", "accelerator_config.json", *args)
-    return subprocess.run([sys.executable, "-m", *launcher, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {})))
+    wrapper = ["tests/inject_faults.py", *faults] if faults else []
+    return subprocess.run([sys.executable, "-m", *launcher, *wrapper, script, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
 
 
 @pytest.fixture(scope="module", params=["train_fsdp2.py", "train_fsdp1.py"])
@@ -346,7 +348,8 @@ def snapshot(path):
 
 
 def test_resuming_a_finished_run_changes_nothing(finished):
-    """Before: it "resumed" at the end and wrote an empty run's summary.json (final_loss null) and final/ again."""
+    """A resume at the last step trains nothing and writes nothing: not an empty run's summary.json (final_loss null),
+    not final/ again."""
     script, out, args = finished
     before = snapshot(out)
     result = launch_one_rank(script, *args, *RESUME[script])
@@ -359,12 +362,13 @@ def test_resuming_a_finished_run_changes_nothing(finished):
 
 @pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
 def test_full_disk_while_saving_stops_with_one_message(tiny_model_dir, tmp_path, script):
-    """Before: torch's "[enforce fail at inline_container.cc:672] unexpected pos" traceback on every rank, and the
-    partial checkpoint left behind (step_00000002.tmp; Trainer's checkpoint-2)."""
+    """A save that fails for want of space (tests/inject_faults.py --disk_full_at) gives one message, not torch's
+    "[enforce fail at inline_container.cc:672] unexpected pos" traceback on every rank, and leaves no partial
+    checkpoint (step_00000002.tmp; Trainer's checkpoint-2)."""
     out = tmp_path / "run"
     save = ["--save_steps", "1"] if script == "train_fsdp2.py" else ["--save_strategy", "steps", "--save_steps", "1"]
     result = launch_one_rank(script, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), *TWO_STEPS, *save,
-                             env={DISK_FULL_IN_SAVE_ENV: "2"})
+                             faults=["--disk_full_at", "2"])
     assert result.returncode != 0
     if script == "train_fsdp2.py":
         partial, last, left = out / "checkpoints" / "step_00000002.tmp", out / "checkpoints" / "step_00000001", out / "checkpoints"
@@ -392,6 +396,6 @@ def check_stop_signal_is_agreed(rank, world):
 
 
 def test_sigterm_between_the_all_reduce_and_the_decision_counts_next_step_on_every_rank():
-    """The race that failed CI (2026-11-23): a rank signalled just after the step's all-reduce read the
-    flag as set and stopped (and saved) alone. Now each step's decision is the all-reduced value only."""
+    """A rank signalled just after the step's all-reduce does not stop (and save) alone: each step's decision is
+    the all-reduced value only."""
     run_ranks(check_stop_signal_is_agreed, 2)

@@ -20,10 +20,12 @@ COMMON = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3",
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+) ")
 
 
-def launch(model_dir, out, nproc=2, *args, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train_fsdp2.py",
+def launch(model_dir, out, nproc=2, *args, faults=()):
+    """train_fsdp2.py on ``nproc`` ranks, started in the background; with ``faults``, through tests/inject_faults.py."""
+    script = ["tests/inject_faults.py", *faults, "train_fsdp2.py"] if faults else ["train_fsdp2.py"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script,
            "--model_name_or_path", model_dir, "--output_dir", out, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -121,7 +123,7 @@ def test_kill_mid_step_then_resume_is_bit_identical(dropout_model_dir, dropout_r
 
 def test_kill_mid_save_leaves_only_a_partial_that_resume_ignores(dropout_model_dir, dropout_reference, tmp_path):
     out = str(tmp_path / "run")
-    proc = launch(dropout_model_dir, out, 2, *COMMON, env={"MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP": "4"})
+    proc = launch(dropout_model_dir, out, 2, *COMMON, faults=["--kill_in_save_at", "4"])
     _, stderr = proc.communicate(timeout=300)
     assert exit_codes(stderr)[0] == -9, stderr[-3000:]  # rank 0 killed itself inside the save
     names = sorted(os.listdir(os.path.join(out, "checkpoints")))

@@ -13,16 +13,11 @@ import torch
 from conftest import ROOT, every_rank_failed, free_port, read_jsonl
 
 from megablocks_utils.train.metrics import JsonlWriter, write_summary
-from megablocks_utils.train.nonfinite import (
-    NAN_GRAD_ENV,
-    NAN_LOSS_ENV,
-    NonFiniteStep,
-    NonFiniteSteps,
-)
+from megablocks_utils.train.nonfinite import NonFiniteStep, NonFiniteSteps
 
 NAN = float("nan")
 # 4 short steps (one micro-batch of 2 samples per rank), a checkpoint after each.
-FSDP2 = ["train_fsdp2.py", "--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+FSDP2 = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
          "--save_steps", "1", "--save_total_limit", "10"]
 FSDP1 = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
          "--save_strategy", "steps", "--save_steps", "1"]
@@ -77,19 +72,22 @@ def test_summary_writes_non_finite_numbers_as_null(tmp_path):
     assert json.loads(text) == {"final_loss": None, "train_runtime": 2.5, "skipped_steps": 1}
 
 
-def launch(launcher: list[str], *args: str, env: dict) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
-    return subprocess.run([sys.executable, *launcher, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=400)
+def launch(launcher: list[str], *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
 
-def torchrun(*args, env):
-    return launch(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], *args, env=env)
+def torchrun(faults: list[str], *args):
+    """train_fsdp2.py on 2 ranks, through tests/inject_faults.py with ``faults``."""
+    return launch(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/inject_faults.py", *faults,
+                   "train_fsdp2.py"], *args)
 
 
-def accelerate(*args, env):
+def accelerate(faults: list[str], *args):
+    """README's train_fsdp1.py command on 2 processes, through tests/inject_faults.py with ``faults``."""
     return launch(["-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--num_processes", "2",
-                   "--config_file", "accelerate.yaml", "train_fsdp1.py", "--accelerator_config", "accelerator_config.json"],
-                  *args, env=env)
+                   "--config_file", "accelerate.yaml", "tests/inject_faults.py", *faults, "train_fsdp1.py",
+                   "--accelerator_config", "accelerator_config.json"], *args)
 
 
 def load_dcp(path: str, tmp_path) -> dict:
@@ -114,7 +112,7 @@ def stop_then_skip(run, train_args, out, checkpoint, resume_flag):
     """--nonfinite stop at step 3 (a NaN gradient on the last rank), then the message's own command to
     continue with --nonfinite skip (a NaN loss on the last rank, finite gradients, at step 3).
     Returns the checkpoints written after steps 2, 3 (skipped) and 4."""
-    stopped = run(*train_args, env={NAN_GRAD_ENV: "3"})
+    stopped = run(["--nan_grad_at", "3"], *train_args)
     assert stopped.returncode != 0
     every_rank_failed(stopped.stderr, 2)  # no rank ended well
     message = re.findall(r"error: .*", stopped.stderr)
@@ -129,7 +127,7 @@ def stop_then_skip(run, train_args, out, checkpoint, resume_flag):
     assert not os.path.exists(os.path.join(out, "final")) and not os.path.exists(os.path.join(out, "summary.json"))
 
     advice = shlex.split(re.search(r"continue with (--\S+ \S+ --nonfinite skip)", message[0]).group(1))
-    resumed = run(*train_args, *advice, env={NAN_LOSS_ENV: "3"})
+    resumed = run(["--nan_loss_at", "3"], *train_args, *advice)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "skipped steps: 1 " in resumed.stdout
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))

@@ -243,11 +243,12 @@ def make_batch(vocab: int, batch: int = 4, seq: int = 12):
 def check_fsdp1_clip_is_global(rank, world, ep_size, use_orig_params):
     from functools import partial
 
-    from megablocks_utils.fsdp1 import grad_shard_group
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import MixtralForCausalLM
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    from megablocks_utils.parallel.fsdp1 import grad_shard_group
 
     config = tiny_mixtral_config()
     torch.manual_seed(0)

@@ -159,3 +159,33 @@ def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool,
             f"pass {resume_flag} to continue that run, or --overwrite_output_dir true to replace it"
         )
     return found
+
+
+def check_data_and_model(data_path: str, eval_data_path: str, eval_split: float, model_name_or_path: str,
+                         attn_implementation: str, device_type: str):
+    """Both scripts' checks of the data files and the model directory, from small files only (the records,
+    config.json, the safetensors index, the tokenizer files), before the process group.
+
+    Returns ``(num_experts, experts_name, model_config)``: the model's expert count and the name of its config field
+    (``None, ""`` for the embedded default, made later from known settings) and its config.
+    """
+    # Imported here: these modules import InputError from this one.
+    from megablocks_utils.data.records import read_records
+    from megablocks_utils.model.attention import choose_attention
+    from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files
+    from megablocks_utils.model.tiny import TINY_CONFIG, default_model_pending
+    from megablocks_utils.tools.memory import load_config
+
+    read_records(data_path)
+    if eval_data_path and eval_split > 0:
+        raise InputError("give eval_data_path or eval_split, not both")
+    if eval_data_path:
+        read_records(eval_data_path)
+    if default_model_pending(model_name_or_path):
+        num_experts, experts_name, model_config = None, "", load_config({"model_type": "mixtral", **TINY_CONFIG})
+    else:
+        num_experts, experts_name = check_model_dir(model_name_or_path)
+        check_tokenizer_files(model_name_or_path)
+        model_config = load_config(model_name_or_path)
+    choose_attention(attn_implementation, model_config, device_type)  # an impossible kernel stops here
+    return num_experts, experts_name, model_config

@@ -101,7 +101,7 @@ def default_model_pending(model_name_or_path: str) -> bool:
 
 # The shipped alpaca records the embedded tokenizer is trained on, whatever data a run trains on (a chat or text
 # data_path must not change, or break, the default model).
-SHIPPED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data.json")
+SHIPPED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data.json")
 
 
 def ensure_default_model(model_name_or_path: str) -> None:

@@ -41,6 +41,14 @@ def routing_bias_exported(model: nn.Module) -> bool:
     return all(block.top_k_router.bias_name != TopKRouter.ADDED_BIAS for block in moe_blocks(model))
 
 
+def routing_bias_note(model: nn.Module, coeff: float) -> str | None:
+    """The line both scripts print at the end when the routing bias that ``coeff`` trained is not in the export."""
+    if coeff <= 0 or routing_bias_exported(model):
+        return None
+    return (f"note: {model.config.model_type} has no routing bias in its checkpoint format, so the bias of load_balance_coeff "
+            "was not exported (the training checkpoints keep it); the exported model routes without it")
+
+
 @torch.no_grad()
 def update_routing_bias(model: nn.Module, tokens_per_expert: torch.Tensor, coeff: float) -> None:
     """One DeepSeek-V3 bias update from a step's global ``tokens_per_expert`` [layers, experts]."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from megablocks_utils.config.inputs import (
     InputError,
     check_ep_size,
+    fail,
     parse_bool,
     resolve_shard_experts,
 )
@@ -698,6 +699,24 @@ def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
         f"{_gib(gpu_memory_bytes)} each GPU has. Settings that fit: {fixes}. "
         f"Breakdown: python -m megablocks_utils.tools.memory (docs/memory.md)"
     )
+
+
+def check_fit(estimate: MemoryEstimate, gpu_memory_bytes: float, *, hint: bool = False) -> None:
+    """Both scripts' fit check, before any weight is read: rank 0 prints the estimate; on a GPU
+    (``gpu_memory_bytes`` > 0) every rank stops when it does not fit, rank 0 naming settings that would, and
+    with ``hint`` rank 0 says how few checkpointed layers would be enough (``checkpointing_hint``)."""
+    import torch.distributed as dist
+
+    master = dist.get_rank() == 0
+    if master:
+        print(estimate.describe(), flush=True)
+    if gpu_memory_bytes > 0:
+        too_big = fit_error(estimate, gpu_memory_bytes)
+        if too_big:
+            fail(too_big)
+        note = checkpointing_hint(estimate, gpu_memory_bytes) if hint else None
+        if master and note:
+            print(note, flush=True)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -23,18 +23,10 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
 STATE_NAME = "trainer_state.json"
-# Test hook: SIGKILL rank 0 after the shards of this step are written but before the rename, so
-# tests can prove a half-saved checkpoint is ignored on resume. Unset in normal use.
-KILL_IN_SAVE_ENV = "MEGABLOCKS_TEST_KILL_IN_SAVE_AT_STEP"
-# Test hook: the last rank's writes of this step's checkpoint fail as on a full disk (ENOSPC): inside
-# DCP's own write path here, after Trainer's save in train_fsdp1.py. So tests can prove the failure
-# is reported and cleaned up. Unset in normal use.
-DISK_FULL_IN_SAVE_ENV = "MEGABLOCKS_TEST_DISK_FULL_AT_STEP"
 
 
 class CheckpointError(RuntimeError):
@@ -89,13 +81,6 @@ def copy_model_files(source_dir: str, dest: str) -> None:
     for name in os.listdir(source_dir):
         if name.endswith(".json") and not name.endswith(".index.json") or name.startswith("tokenizer"):
             shutil.copy(os.path.join(source_dir, name), dest)
-
-
-class _FullDiskWriter(FileSystemWriter):
-    """The DISK_FULL_IN_SAVE_ENV test hook: writing the shards fails as it does on a full disk."""
-
-    def write_data(self, plan, planner):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
 
 
 def disk_full(e: BaseException) -> bool:
@@ -166,9 +151,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
             error = e
     stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the others write
     model_state, optim_state = get_state_dict(model, optimizer)
-    full_disk = os.environ.get(DISK_FULL_IN_SAVE_ENV) == str(step) and rank == dist.get_world_size() - 1  # test hook
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, storage_writer=_FullDiskWriter(tmp) if full_disk else None)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             state = dict(trainer_state, step=step, world_size=dist.get_world_size(), scheduler=scheduler.state_dict())
@@ -179,8 +163,6 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
     except SAVE_ERRORS as e:  # DCP raises on every rank when one rank's write fails
         error = e
     stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the rename
-    if rank == 0 and os.environ.get(KILL_IN_SAVE_ENV) == str(step):
-        os.kill(os.getpid(), 9)
     if rank == 0:
         os.replace(tmp, final)
         for old in complete_checkpoints(root)[:-keep_last] if keep_last > 0 else []:

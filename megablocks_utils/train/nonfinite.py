@@ -1,31 +1,20 @@
 """Steps whose loss or gradient norm is NaN or inf: stop the run there, or skip the step.
 
-Both training scripts call ``NonFiniteSteps.check`` once per optimizer step, after the gradient
-clip and before the optimizer step, with numbers every rank holds identically: the loss from the
-step's all-reduced sums, the count of micro-batch losses that were not finite (all-reduced with
-them) and the global gradient norm (itself reduced over every rank). So every rank takes the same
-decision without another collective, and a NaN on one rank stops or skips the step on all.
+Both training scripts call ``NonFiniteSteps.check`` once per optimizer step (through
+``StepLoss.check``, step.py), after the gradient clip and before the optimizer step, with numbers
+every rank holds identically: the loss from the step's all-reduced sums, the count of micro-batch
+losses that were not finite (all-reduced with them) and the global gradient norm (itself reduced
+over every rank). So every rank takes the same decision without another collective, and a NaN on
+one rank stops or skips the step on all.
 
 Skipping a step means no optimizer update at all: the weights and the optimizer state (AdamW's
 moments and step count) stay as they were, the gradients are dropped. The learning-rate schedule
 and the data position still advance: a skipped step is spent, as if its batch had given no gradient.
-
-Test hooks (unset in normal use), in the way of ``checkpoint.KILL_IN_SAVE_ENV``: a comma-separated
-list of step numbers (counted from 1) at which the last rank's loss value, or one of its gradients,
-becomes NaN, so tests can make a bad step happen on one rank only.
 """
 
 import math
-import os
-
-import torch
-from torch.distributed.tensor import DTensor
 
 MODES = ("stop", "skip")
-# The loss value becomes NaN; its gradients stay finite (stepping would change the weights).
-NAN_LOSS_ENV = "MEGABLOCKS_TEST_NAN_LOSS_AT_STEP"
-# One gradient becomes NaN after backward; the loss stays finite.
-NAN_GRAD_ENV = "MEGABLOCKS_TEST_NAN_GRAD_AT_STEP"
 
 
 class NonFiniteStep(RuntimeError):
@@ -83,22 +72,3 @@ def where_to_continue(bad_step: int, checkpoints: list[tuple[int, str]], resume_
     return (f"the last good checkpoint is {found[-1]}; continue with {resume_flag} {found[-1]} --nonfinite skip "
             "(a resumed run repeats the same batches, so this step may fail again without skip)")
 
-
-def _at(env: str, step: int, rank: int, world_size: int) -> bool:
-    return rank == world_size - 1 and str(step) in os.environ.get(env, "").split(",")
-
-
-def inject_nan_loss(value: torch.Tensor, step: int, rank: int, world_size: int) -> torch.Tensor:
-    """Test hook: at the steps in ``NAN_LOSS_ENV`` the last rank's ``value`` becomes NaN, its gradient unchanged."""
-    return value + float("nan") if _at(NAN_LOSS_ENV, step, rank, world_size) else value
-
-
-def inject_nan_grad(parameters, step: int, rank: int, world_size: int) -> None:
-    """Test hook: at the steps in ``NAN_GRAD_ENV`` one of the last rank's gradient entries becomes NaN."""
-    if not _at(NAN_GRAD_ENV, step, rank, world_size):
-        return
-    for p in parameters:
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if local is not None and local.numel() > 0:
-            local[(0,) * local.dim()] = float("nan")
-            return

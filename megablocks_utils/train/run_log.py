@@ -12,7 +12,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from megablocks_utils.train.metrics import JsonlWriter, flops_per_token, peak_memory_gb
+from megablocks_utils.train.metrics import (
+    JsonlWriter,
+    flops_per_token,
+    peak_memory_gb,
+    write_summary,
+)
 
 
 class StepSums:
@@ -136,6 +141,19 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    def finish(self, summary: dict, output_dir: str, note: str | None = None) -> None:
+        """Rank 0, at the end of either script: metrics.jsonl closed, summary.json written, and the run's last
+        lines printed (the summary, the skipped steps, where the model is, ``note``)."""
+        self.close()
+        write_summary(os.path.join(output_dir, "summary.json"), summary)
+        print(summary_line(summary), flush=True)
+        if summary["skipped_steps"]:
+            print(f"skipped steps: {summary['skipped_steps']} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)",
+                  flush=True)
+        print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
+        if note:
+            print(note, flush=True)
 
 
 def summary_line(summary: dict) -> str:
