@@ -13,11 +13,13 @@ numbers. One batch (2 x 1024 random ids), the summed cross-entropy and every gra
 """
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 
-from .launch import gpus, run_on_gpus
+from .launch import ROOT, gpus, run_on_gpus
 
 pytestmark = gpus(1)
 
@@ -48,14 +50,11 @@ def measure(rank, world):
 
     from megablocks_utils import shard_moe
 
-    config = GptOssConfig(
-        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, vocab_size=32000, sliding_window=128, max_position_embeddings=131072,
-        router_aux_loss_coef=0.9, swiglu_limit=7.0, tie_word_embeddings=False, attention_bias=True, num_hidden_layers=2,
-        layer_types=["sliding_attention", "full_attention"], output_router_logits=False, attn_implementation="eager",
-        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
-    )
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpt_oss import GPT_OSS_20B
+
+    config = GptOssConfig(**dict(GPT_OSS_20B, vocab_size=32000), num_hidden_layers=2, output_router_logits=False,
+                          layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
     torch.manual_seed(0)
     with torch.device("cuda"):
         reference = GptOssForCausalLM(config).to(torch.bfloat16).float()
