@@ -52,7 +52,7 @@ class Session:
     def __init__(self, args):
         self.args, self.name = args, args.variant
         self.gpus = args.gpus or gpu_count()
-        self.out = args.out or os.path.join(BENCH, "results", f"{args.variant}_{date.today().isoformat()}.jsonl")
+        self.out = os.path.abspath(args.out or os.path.join(BENCH, "results", f"{args.variant}_{date.today().isoformat()}.jsonl"))
         self.part = self.out + ".part"  # what one launch writes, before it is tagged
         self.logs = os.path.join(args.logs, args.variant)
         self.deadline = time.monotonic() + args.budget_s

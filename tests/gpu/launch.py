@@ -49,7 +49,7 @@ def _worker(rank, world, port, fn, args, out_dir):
     os._exit(0)
 
 
-def run_on_gpus(fn, world: int, *args, timeout: float = 400) -> list:
+def run_on_gpus(fn, world: int, *args, timeout: float = 600) -> list:
     """``fn(rank, world, *args)`` on ``world`` GPUs, one spawned process each with an NCCL process group; returns
     every rank's JSON-able result. A rank's exception fails the test with its traceback; past ``timeout`` seconds
     the ranks are stopped and the test fails (a hang in a collective is a failure, not a stuck suite)."""
@@ -85,7 +85,7 @@ def train_fsdp1(nproc: int, output_dir: str, *args: str) -> list[str]:
             "--accelerator_config", os.path.join(ROOT, "accelerator_config.json"), "--output_dir", output_dir, *args]
 
 
-def launch_together(commands: dict[str, list[str]], timeout: float = 400) -> dict[str, str]:
+def launch_together(commands: dict[str, list[str]], timeout: float = 500) -> dict[str, str]:
     """Start every command at once (the tiny model's runs share the GPUs easily; most of each is start-up and
     compiling, on the CPU), wait for all; fail naming the ones that exited non-zero, with their output's end.
     Returns each command's output."""
