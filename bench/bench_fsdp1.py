@@ -22,7 +22,7 @@ ranks) and appends one record with bench_moe.py's fields and ``config: fsdp1_ep`
 a cross-check of (d) against the plain loop on identical input. ``--train_args`` appends settings to the launched
 script's command line (later ones win), ``--name`` names the record's ``config``, and ``--skip_export`` stops the
 launch once metrics.jsonl holds every step, before the final export (93 GB of writing at 32 layers; the peak
-memory is then rank 0's, from metrics.jsonl). bench/full_size.sh runs it so.
+memory is then rank 0's, from metrics.jsonl). bench/run.py full_size runs it so.
 
 Step time: train_fsdp1 times each optimizer step from Trainer's ``on_step_begin`` (after the step's
 micro-batches are fetched, the GPU idle) to ``on_step_end``, once the step's loss all-reduce has been read

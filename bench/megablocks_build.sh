@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build megablocks 0.10.0 with stanford-stk 0.7.1 and grouped_gemm 0.3.0 from their source
 # distributions on a GPU machine without internet (torch 2.11+cu130, CUDA 13 nvcc, sm_90), install
-# them into /tmp/site-*, then smoke-test them and check moe_backend="megablocks" (bench/megablocks_check.py).
+# them into /tmp/site-*, then smoke-test them and check moe_backend="megablocks" (tests/gpu/test_megablocks.py).
 #
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; bash bench/megablocks_build.sh .whl-mb
 #
@@ -173,7 +173,7 @@ rel = lambda x, y: float((x.float() - y).abs().max() / y.abs().max())
 errs = (rel(out, ref), rel(a.grad, af.grad), rel(b.grad, bf.grad))
 print("grouped_gemm gmm (bf16, trans_b, empty groups) vs fp32 torch: out %.1e, a grad %.1e, b grad %.1e" % errs)
 assert max(errs) < 2e-2
-if b.grad[[0, 3, 7]].abs().max() != 0:  # cuBLAS with k = 0 into torch.empty: bench/megablocks_check.py will show it
+if b.grad[[0, 3, 7]].abs().max() != 0:  # cuBLAS with k = 0 into torch.empty: tests/gpu/test_megablocks.py will show it
     print("WARNING: grouped_gemm left a nonzero gradient for experts with no rows")
 EOF
 }
@@ -205,27 +205,14 @@ check_backend('megablocks', 'cuda')
 print('imports ok:', megablocks.__file__)
 " || stop "megablocks does not import"
 
-NCHECK=$((NGPU >= 2 ? 2 : 1))
-phase "5. equivalence and expert checks on $NCHECK GPU(s) ($(left)s left; with 2: ep=2, megablocks' all-to-all over our ep group, and ep=1, dp=2)"
-timeout "$(budget 15)" python3 -m torch.distributed.run --standalone --nproc_per_node=$NCHECK bench/megablocks_check.py 2>&1 \
-  | tee "$WORK/check.log" | grep -v -E "^\s*$|Warning|warnings.warn"
+# megablocks' own dMoE, the experts alone and the equivalence test on 1 GPU (and on 2 where there are 2: megablocks'
+# all-to-all over our ep group, and ep=1, dp=2), train_fsdp2.py native vs megablocks (needs pytest on the machine)
+phase "5. python -m pytest tests/gpu/test_megablocks.py ($(left)s left)"
+timeout "$(budget 15)" python3 -m pytest -q -rs tests/gpu/test_megablocks.py 2>&1 | tee "$WORK/check.log" | tail -n 40
 echo "exit ${PIPESTATUS[0]}"
 
-if [ "$(left)" -gt 100 ]; then
-  phase "6. train_fsdp2.py on the embedded tiny Mixtral, $NGPU GPU(s), native then megablocks, 10 steps bf16"
-  for backend in native megablocks; do
-    timeout $(($(budget 10) / 2)) python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train_fsdp2.py \
-      --moe_backend $backend --max_steps 10 --output_dir "$WORK/run_$backend" --overwrite_output_dir true 2>&1 \
-      | grep -E "^(summary|error)|Error" | tail -5
-  done
-  [ -f "$WORK/run_megablocks/metrics.jsonl" ] && [ -f "$WORK/run_native/metrics.jsonl" ] && \
-    python3 bench/compare_runs.py "$WORK/run_megablocks/metrics.jsonl" "$WORK/run_native/metrics.jsonl"
-fi
 if [ "$(left)" -gt 150 ]; then
-  phase "7. first look at benchmark (e): bench_moe.py, Mixtral width, 2 layers, native (ep) then megablocks, $NGPU GPU(s)"
-  for config in ep megablocks; do
-    timeout $(($(budget 10) / 2)) python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/bench_moe.py \
-      --config $config --layers 2 --grad_accum 2 --steps 4 --warmup 2 --out "$WORK/bench.jsonl" 2>&1 | grep -E '^\{|Error' | tail -3
-  done
+  phase "6. first look at benchmark (e): bench/run.py megablocks, Mixtral width, 2 layers, native (ep) then megablocks, $NGPU GPU(s)"
+  timeout $(($(budget 10))) python3 bench/run.py megablocks --layers 2 --out "$WORK/bench.jsonl" --budget_s $(($(left) - 20)) 2>&1 | tail -8
 fi
 phase "done: megablocks route $MB, grouped_gemm $GG; PYTHONPATH for later runs: $PYTHONPATH"

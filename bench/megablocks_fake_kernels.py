@@ -1,4 +1,4 @@
-"""CPU dry run of bench/megablocks_check.py: megablocks' real Python code, its kernels replaced by torch.
+"""CPU dry run of tests/gpu/test_megablocks.py's checks: megablocks' real Python code, its kernels replaced by torch.
 
     torchrun --standalone --nproc_per_node=2 bench/megablocks_fake_kernels.py /path/to/sdists
 
@@ -23,7 +23,7 @@ import types
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # tests/gpu/test_megablocks.py holds the checks
 
 
 def unpack(sdists: str) -> None:
@@ -133,12 +133,28 @@ def install_fakes() -> None:
 
 
 def main() -> None:
+    import torch.distributed as dist
+
     unpack(sys.argv[1])
     install_fakes()
-    import megablocks_check
+    from gpu.test_megablocks import (  # the GPU test's checks, on CPU ranks
+        equivalence,
+        experts_alone,
+    )
 
-    megablocks_check.DEVICE = "cpu"
-    megablocks_check.main()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = []
+    for check in (experts_alone, equivalence):
+        for label, ok, detail in check(rank, world, device="cpu"):
+            if rank == 0:
+                print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}", flush=True)
+            if not ok:
+                failed.append(label)
+    if rank == 0:
+        print("all checks passed" if not failed else "FAILED: " + ", ".join(failed), flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ CONFIGS = {  # config name -> (label, bar colour), in the order of the issue's l
     "fsdp2_ep_script": ("ours: FSDP2 + EP, train_fsdp2.py on the same input as (d)", "#f96"),
     "megablocks": ("(e) FSDP2 + EP, megablocks backend", "#396"),
     "hf_native_fsdp2_ep": ("(f) transformers' own FSDP2 + EP (DistributedConfig)", "#36c"),
-    "ep_base": ("(c) at an earlier commit (bench/peers.sh BASE)", "#fb8"),
+    "ep_base": ("(c) at an earlier commit (bench/run.py --base)", "#fb8"),
     "ep_overlap2": ("(c) with --overlap_chunks 2", "#c52"),
 }
 
 
 def key(r: dict) -> str:
-    """A record's configuration, with its routing when it was skewed (bench/peers.sh runs both)."""
+    """A record's configuration, with its routing when it was skewed (bench/run.py peers runs both)."""
     return f"{r['config']} (skew {r['routing_skew_target']:g})" if r.get("routing_skew_target") else r["config"]
 ANCHORS = [  # published numbers to print beside ours (different hardware, models and batches)
     "original README (8xA100-80GB, Mixtral-8x7B): FSDP2-only 0.033 steps/s, megablocks 0.117 steps/s",

@@ -3,7 +3,8 @@ torchtitan 0.3.0 does not import on torch 2.11; see bench/reports/peers_memory_m
 
 It trains a Mixtral checkpoint's shape through torchtitan's transformers backend, which replaces the model's MoE
 blocks with torchtitan's own (router, grouped experts, all-to-all EP); attention, norms and embeddings stay
-transformers'. Launch (4 GPUs, 2 sequences x 2 micro-steps of 4096 tokens per GPU, as bench/peers.sh):
+transformers'. `python bench/run.py peers --torchtitan` launches it so (4 GPUs, 2 sequences x 2 micro-steps of 4096
+tokens per GPU, as its other rows):
 
     PYTHONPATH=/tmp/site:bench HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TT_HF_DIR=/tmp/mixtral-L8 TT_DATA_DIR=/tmp/tt_data \\
     torchrun --standalone --nproc_per_node=4 -m torchtitan.train --module torchtitan_mixtral --config mixtral_bench \\
@@ -24,9 +25,17 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
-from torchtitan.experiments.transformers_modeling_backend import HFTransformerModel, TitanMoeModelConfig, model_registry
-from torchtitan.experiments.transformers_modeling_backend.configs import TransformersBackendConfig
-from torchtitan.experiments.transformers_modeling_backend.tokenizer import HFBackendTokenizer
+from torchtitan.experiments.transformers_modeling_backend import (
+    HFTransformerModel,
+    TitanMoeModelConfig,
+    model_registry,
+)
+from torchtitan.experiments.transformers_modeling_backend.configs import (
+    TransformersBackendConfig,
+)
+from torchtitan.experiments.transformers_modeling_backend.tokenizer import (
+    HFBackendTokenizer,
+)
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 HF_DIR = os.environ.get("TT_HF_DIR", "/tmp/mixtral-L8")

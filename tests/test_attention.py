@@ -2,7 +2,7 @@
 
 The CUDA-only varlen kernel runs on CPU here through a per-document reference (sdpa on each document alone), so
 the plumbing is proven (rows laid end to end, cumulative lengths, grouped-query heads, transformers passing the
-keyword arguments to every layer); bench/gpu_packing_check.py compares the kernel itself on a GPU.
+keyword arguments to every layer); tests/gpu/test_packed_rows.py compares the kernel itself on a GPU.
 """
 
 import os

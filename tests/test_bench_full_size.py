@@ -1,5 +1,5 @@
-"""bench/full_size.sh's CPU parts: the layer view, the record read from a run's metrics.jsonl when the launch is
-stopped after its last step (--skip_export), and the results table."""
+"""The full-size runs' CPU parts (bench/run.py full_size): the layer view, the record read from a run's metrics.jsonl
+when the launch is stopped after its last step (bench_fsdp1.py --skip_export), and the results table."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from conftest import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_fsdp1  # noqa: E402
 from bench_moe import PEAK_TFLOPS, megatron_flops_per_token  # noqa: E402
-from full_size_table import table  # noqa: E402
+from run import full_size_table  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 64, 128
 
@@ -73,17 +73,17 @@ def test_skip_export_stops_after_the_last_step_and_reads_its_metrics(tmp_path, m
     assert record["expert_load_max_over_mean"] == 1.75
 
 
-def test_table_shows_ok_failed_and_skipped_variants(tmp_path):
-    path = tmp_path / "full_size.jsonl"
+def test_table_shows_ok_failed_and_skipped_runs():
     rows = [
-        {"config": "hf_native_fsdp2_ep", "variant": "hf", "layers": 32, "activation_checkpointing": True, "status": "ok",
-         "step_time_s": 5.97, "tokens_per_s_per_gpu": 2746.0, "tflops_per_gpu": 227.5, "mfu": 0.23, "final_loss": 10.4,
-         "peak_allocated_gib": 94.0, "peak_reserved_gib": 110.0, "peak_memory_of": "largest over ranks"},
-        {"config": "ours_sel", "layers": 32, "activation_checkpointing": "selective", "status": "OOM", "error": "CUDA out of memory"},
-        {"config": "emul16", "status": "skipped", "error": "80 s left of the 560 s budget"},
+        {"config": "hf_native_fsdp2_ep", "variant": "full_size", "name": "hf", "layers": 32, "activation_checkpointing": True,
+         "status": "ok", "step_time_s": 5.97, "tokens_per_s_per_gpu": 2746.0, "tflops_per_gpu": 227.5, "mfu": 0.23,
+         "final_loss": 10.4, "peak_allocated_gib": 94.0, "peak_reserved_gib": 110.0, "peak_memory_of": "largest over ranks"},
+        {"config": "ours_sel", "variant": "full_size", "name": "ours_sel", "layers": 32, "activation_checkpointing": "selective",
+         "status": "OOM", "error": "CUDA out of memory"},
+        {"variant": "full_size", "name": "emul16", "status": "skipped", "error": "80 s left of the 560 s budget"},
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    lines = table(str(path)).splitlines()
+    lines = full_size_table(rows).splitlines()
     assert len(lines) == 4
     assert lines[1].split()[:8] == ["hf", "32", "full", "5.970", "2746", "228", "23.0%", "94.0"]
-    assert "OOM: CUDA out of memory" in lines[2] and "skipped" in lines[3]
+    assert lines[2].startswith("ours_sel") and "OOM: CUDA out of memory" in lines[2]
+    assert lines[3].startswith("emul16") and "skipped" in lines[3]

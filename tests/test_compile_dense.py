@@ -1,5 +1,5 @@
 """compile_dense_parts picks each decoder layer's attention and norms (what train_fsdp2.py compiles on
-GPUs) and nothing of the MoE block. The GPU check of the compiled model is bench/gpu_compile_check.sh
+GPUs) and nothing of the MoE block. The GPU check of the compiled model is tests/gpu/test_train_parity.py
 (compiled vs eager training runs)."""
 
 import torch

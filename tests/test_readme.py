@@ -8,7 +8,7 @@ import re
 
 from conftest import ROOT
 
-DOCS = ["README.md", "BENCHMARKS.md", "tests/README.md"] + [
+DOCS = ["README.md", "BENCHMARKS.md", "tests/README.md", "bench/README.md"] + [
     os.path.join(folder, name) for folder in ("docs", os.path.join("bench", "reports"))
     for name in sorted(os.listdir(os.path.join(ROOT, folder))) if name.endswith(".md")
 ]
@@ -106,6 +106,27 @@ def test_every_link_in_the_docs_reaches_an_existing_file_and_heading():
                 if fragment not in {anchor(h) for h in headings}:
                     broken.append(f"{doc}: {target} (no heading #{fragment} in {path})")
     assert not broken, "\n".join(broken)
+
+
+def test_every_command_in_the_current_docs_names_a_file_and_variant_that_exist():
+    """README, BENCHMARKS.md, docs/, tests/README.md and bench/README.md give commands people run today (the dated
+    reports in bench/reports/ keep the commands of their day): each bench/ or tests/ file they name exists, and each
+    `bench/run.py VARIANT` is a variant of the harness."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import VARIANTS
+
+    missing = []
+    for doc in [d for d in DOCS if not d.startswith(os.path.join("bench", "reports"))]:
+        text = read(doc)
+        for path in set(re.findall(r"(?<![\w/.])((?:bench|tests)/[\w/.-]*\w)", text)):
+            if not os.path.exists(os.path.join(ROOT, path)):
+                missing.append(f"{doc}: {path}")
+        for name in re.findall(r"bench/run\.py (\w+)", text):
+            if name not in VARIANTS and name != "VARIANT":
+                missing.append(f"{doc}: bench/run.py {name} (no such variant)")
+    assert not missing, "\n".join(sorted(missing))
 
 
 def test_no_pointer_to_a_readme_section_that_moved():

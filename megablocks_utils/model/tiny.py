@@ -58,7 +58,7 @@ def train_tokenizer(data_path: str, vocab_size: int = VOCAB_SIZE):
 def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: int = 3, **config_overrides) -> None:
     """Write the tiny model to ``out_dir`` (atomically: a half-written directory never appears).
 
-    ``config_overrides`` change TINY_CONFIG's sizes (bench/optim_quality.sh makes a mid-size model this way).
+    ``config_overrides`` change TINY_CONFIG's sizes (bench/run.py optim_quality makes a mid-size model this way).
     """
     from transformers import MixtralConfig, MixtralForCausalLM
 

@@ -148,7 +148,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
     ``checkpoint``). Its ``every_n_layers`` can only checkpoint 1/n of the layers; a count can be any
     share, so each layer's ``gradient_checkpointing`` flag (the switch transformers' hook reads) is set
     here. Call it after ``shard_moe`` and before compile and FSDP2. "none" turns an earlier setting off,
-    so a model can be switched between modes (bench/gpu_sac_check.py does).
+    so a model can be switched between modes.
     """
     mode = parse_activation_checkpointing(mode)
     decoder = decoder_layers(model)

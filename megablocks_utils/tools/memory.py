@@ -79,11 +79,11 @@ LOGITS_BYTES = 2 + 4 + 4 + 2
 # their buffers, cuBLAS workspaces, compiled kernels (fixed); and the caching allocator's fragmentation
 # (a fraction of everything else).
 # Checked against GPU peaks, no fitted factor (2026-11-23): 4 x H200, Mixtral-8x7B width, ep 4, adamw_bf16,
-# seq 4096, micro batch 1 x 4, selective checkpointing (bench/full_size.sh emul16, 2026-11-22, experts then under
+# seq 4096, micro batch 1 x 4, selective checkpointing (bench/run.py full_size emul16, 2026-11-22, experts then under
 # FSDP at dp = 1): 16 layers estimated 73.3 GiB for that layout (71.2 for today's, experts left out), measured
 # 71.8 GiB allocated; 32 layers estimated 135.0 (132.9), and that run ran out of memory at 132 GiB allocated on a
 # 139.8 GiB GPU, so there the estimate is low by some percent (not measured how many).
-# One H100, gpt-oss-20b's shape cut to 4 layers, adamw_bf16, no checkpointing, 1 x 2048 x 4 (bench/gpu_gpt_oss.sh,
+# One H100, gpt-oss-20b's shape cut to 4 layers, adamw_bf16, no checkpointing, 1 x 2048 x 4 (bench/run.py gpt_oss,
 # 2026-11-23): estimated 44.4 GiB, measured 44.7 allocated.
 OVERHEAD_BYTES = 3 * GiB
 FRAGMENTATION = 0.05

@@ -18,8 +18,8 @@ The model must be built with ``param_dtype(optim)`` parameters (``load_model(...
 adamw_torch_8bit needs fp32 parameters when they are DTensors (FSDP2 shards or expert shards, in any
 grouping). With bf16 DTensor parameters torchao 0.18 fails in its compiled step with "OptimState8bit
 dispatch: attempting to run unimplemented operator/function: func=aten.view.dtype" (seen on CPU; it
-happens in torch.compile's tracing, before any kernel runs, so it is not CPU-specific;
-bench/gpu_optim_check.py probes a GPU). ``DTensor.from_local`` wraps the state in
+happens in torch.compile's tracing, before any kernel runs, so it is not CPU-specific; not yet
+run on a GPU). ``DTensor.from_local`` wraps the state in
 a ``view_as``, torchao's ``aten.view.default`` handler returns an OptimState8bit that has lost the bf16
 "appearance" dtype (fp32), and torch.compile's fake-tensor conversion of that view calls
 ``base.view(torch.float32)``, which OptimState8bit does not implement (pytorch/ao PR #4216, open).

@@ -1,0 +1,155 @@
+"""The native MoE layer on one GPU: the grouped-GEMM path equals the per-expert loop and transformers.
+
+A small Mixtral (hidden 512, 8 experts, top-2, 2 layers) built in fp32 on the GPU, sharded with ep = 1; on one batch:
+fp32 ours (loop GEMMs: grouped_mm needs bf16) equals transformers; in bf16 the grouped GEMM equals the loop, the
+compiled element-wise steps are one bf16 rounding from eager, and ours is no further from the fp32 truth than
+transformers' own bf16 model; and the layer makes no host sync at ep = 1. One measuring process, one test per claim.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from .launch import gpus, run_on_gpus
+
+pytestmark = gpus(1)
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12))
+
+
+def set_switches(model, **switches) -> None:
+    # MERGE: force_loop / compile_elementwise are set here as attributes of the built experts (today's API); where they
+    # become constructor arguments, build the experts with them instead. Every switch of this file goes through here.
+    from megablocks_utils import moe_blocks
+
+    for block in moe_blocks(model):
+        for name, value in switches.items():
+            setattr(block.experts, name, value)
+
+
+def run(model, ids):
+    from megablocks_utils import causal_lm_loss_sum
+
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    causal_lm_loss_sum(logits, ids).backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()}
+    return logits.detach(), grads
+
+
+def compare(a, b) -> dict:
+    (la, ga), (lb, gb) = a, b
+    return {"logits": rel(la, lb), "grads": max(rel(ga[n], gb[n]) for n in gb)}
+
+
+def host_sync_at_ep1() -> str:
+    """One layer's experts at ep = 1 with per-expert biases (gpt-oss's layout), forward and backward on the grouped
+    GEMM path, under CUDA's sync debug mode: any host sync (tolist, item, a sized nonzero) raises. "" if none."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+
+    experts = ExpertParallelExperts(8, SimpleNamespace(ep_size=1), "gpt_oss_swiglu", transposed=True, interleaved=True,
+                                    bias=True, alpha=1.702, limit=7.0)
+    shapes = [(8, 512, 1024), (8, 512, 512), (8, 1024), (8, 512)]
+    experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes))
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    top_w, top_i = torch.rand(2048, 4, device="cuda").softmax(-1), torch.randint(0, 8, (2048, 4), device="cuda")
+    experts(x, top_i, top_w).float().square().sum().backward()  # warm-up: compiles the element-wise kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        experts(x, top_i, top_w).float().square().sum().backward()
+        return ""
+    except RuntimeError as e:
+        return str(e)[:500]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def measure(rank, world):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from megablocks_utils import moe_blocks, shard_moe
+    from megablocks_utils.moe.layer import grouped_mm_supported
+
+    config = MixtralConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=512)
+    torch.manual_seed(0)
+    reference = MixtralForCausalLM(config).cuda().float()
+    ours = copy.deepcopy(reference)
+    shard_moe(ours, 1, device="cuda")
+    ids = torch.randint(0, 1024, (4, 256), device="cuda")
+    found = {}
+    truth = run(reference, ids)
+    found["fp32_vs_transformers"] = compare(run(ours, ids), truth)
+
+    experts = moe_blocks(ours)[0].experts
+    rows = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    counts_host = [0, 700, 3, 0, 150, 1, 146, 0]  # skewed, with empty experts
+    counts = torch.tensor(counts_host, device="cuda")
+    found["grouped_mm_supported"] = grouped_mm_supported(rows)
+    ours.bfloat16()
+    reference.bfloat16()
+    compiled = experts.compute(rows, counts, counts_host)
+    set_switches(ours, compile_elementwise=False)
+    eager = experts.compute(rows, counts, counts_host)
+    set_switches(ours, force_loop=True)
+    looped = experts.compute(rows, counts, counts_host)
+    set_switches(ours, force_loop=False)
+    found["kernel_grouped_vs_loop"] = rel(eager, looped)
+    found["kernel_compiled_vs_eager"] = rel(compiled, eager)
+
+    grouped = run(ours, ids)  # compile off: grouped_mm and the loop run the same element-wise code
+    set_switches(ours, force_loop=True)
+    found["model_grouped_vs_loop"] = compare(grouped, run(ours, ids))
+    set_switches(ours, force_loop=False, compile_elementwise=True)
+    fused = run(ours, ids)
+    theirs = run(reference, ids)
+    mean_err = lambda a: float((a[0].float() - truth[0]).abs().mean() / truth[0].abs().mean())  # noqa: E731
+    found["bf16_vs_fp32_truth"] = {"ours_compiled": mean_err(fused), "ours_eager": mean_err(grouped),
+                                   "transformers": mean_err(theirs)}
+    found["host_sync"] = host_sync_at_ep1()
+    return found
+
+
+@pytest.fixture(scope="module")
+def found():
+    return run_on_gpus(measure, 1)[0]
+
+
+def test_fp32_layer_equals_transformers(found):
+    """Loop GEMMs and the compiled combine in fp32: transformers' logits and every gradient to 1e-4, room for fp32
+    sums taken in another order (measured bit-identical on an H100)."""
+    assert found["fp32_vs_transformers"]["logits"] <= 1e-4, found["fp32_vs_transformers"]
+    assert found["fp32_vs_transformers"]["grads"] <= 1e-4, found["fp32_vs_transformers"]
+
+
+def test_grouped_gemm_equals_the_per_expert_loop_in_bf16(found):
+    """Same bf16 weights, same element-wise code: only the GEMM kernels' summation order differs, so the experts'
+    rows agree to a bf16 rounding (1e-2 of the largest value, 2.6 units of 2^-8); through the whole model (two layers,
+    near-tie routing may flip) logits and gradients to 5e-2."""
+    assert found["grouped_mm_supported"], "grouped_mm should be used for bf16 on this GPU"
+    assert found["kernel_grouped_vs_loop"] <= 1e-2
+    assert max(found["model_grouped_vs_loop"].values()) <= 5e-2, found["model_grouped_vs_loop"]
+
+
+def test_compiled_silu_mul_is_one_bf16_rounding_from_eager(found):
+    """The compiled SiLU*up rounds its product to bf16 once where eager rounds silu(gate) first too: one bf16
+    rounding (2^-8 relative) of the hidden rows, seen through the down projection: 2e-2."""
+    assert found["kernel_compiled_vs_eager"] <= 2e-2
+
+
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(found):
+    """Two bf16 models never agree bit for bit (near-tie routing), so ours is judged by its mean logits error against
+    the fp32 truth: at most 1.5x that of transformers' own bf16 model (measured 2.39e-2 against 2.34e-2)."""
+    errors = found["bf16_vs_fp32_truth"]
+    assert errors["ours_compiled"] <= 1.5 * errors["transformers"], errors
+
+
+def test_no_host_sync_at_ep1(found):
+    assert found["host_sync"] == "", f"a host sync at ep = 1: {found['host_sync']}"

@@ -1,0 +1,58 @@
+"""bench/run.py, the benchmark harness, without a GPU: every variant's commands name scripts that exist, and a launch's
+records are kept tagged with the variant and the run, a failed or late launch with its reason. No GPU run here."""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import run  # noqa: E402
+
+EXTRA = {"peers": ["--torchtitan", "--overlap", "2", "--base", "/elsewhere"], "levers": ["--base", "/elsewhere"],
+         "routing_skew": ["--peer"], "full_size": ["--runs", ",".join(run.FULL_SIZE_RUNS)]}
+
+
+@pytest.mark.parametrize("variant", sorted(run.VARIANTS))
+def test_dry_run_names_only_scripts_that_exist(variant, tmp_path, capsys):
+    run.main([variant, "--dry_run", "--gpus", "2", "--out", str(tmp_path / "out.jsonl"), *EXTRA.get(variant, [])])
+    printed = capsys.readouterr().out
+    commands = [line for line in printed.splitlines() if ": " in line]
+    assert commands, printed
+    for line in commands:
+        for path in re.findall(r"[\w./-]+\.(?:py|sh)\b", line):
+            if "(in /elsewhere)" not in line:
+                assert os.path.exists(path if os.path.isabs(path) else os.path.join(ROOT, path)), f"{variant}: {line}"
+    assert not os.path.exists(tmp_path / "out.jsonl"), "a dry run writes no records"
+
+
+def session(tmp_path, budget_s=560):
+    return run.Session(run.parser().parse_args(["kernels", "--out", str(tmp_path / "records.jsonl"), "--gpus", "1",
+                                                "--logs", str(tmp_path / "logs"), "--budget_s", str(budget_s)]))
+
+
+def records(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in open(tmp_path / "records.jsonl")]
+
+
+def test_a_launch_keeps_its_records_tagged_and_a_failed_one_says_why(tmp_path):
+    s = session(tmp_path)
+    write = "import json, sys; open(sys.argv[1], 'a').write(json.dumps({'config': 'ep', 'status': 'ok', 'step_time_s': 1.5}) + '\\n')"
+    s.run("first", [sys.executable, "-c", write, s.part], 120, routing="skewed")
+    s.run("second", [sys.executable, "-c", "print('loading'); raise SystemExit('error: the checkpoint is missing')"], 120)
+    first, second = records(tmp_path)
+    assert first == {"config": "ep", "status": "ok", "step_time_s": 1.5, "variant": "kernels", "name": "first", "routing": "skewed"}
+    assert second["name"] == "second" and second["status"] == "error"
+    assert second["error"] == "error: the checkpoint is missing" and os.path.isfile(second["log"])
+    assert not os.path.exists(s.part)
+    assert s.records == [first, second]
+
+
+def test_a_launch_that_no_longer_fits_the_budget_is_skipped(tmp_path):
+    s = session(tmp_path, budget_s=30)
+    s.run("late", [sys.executable, "-c", "raise SystemExit('should not run')"], 120)
+    (late,) = records(tmp_path)
+    assert late["status"] == "skipped" and "of the 30 s budget" in late["error"]
