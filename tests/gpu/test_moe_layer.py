@@ -20,16 +20,6 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12))
 
 
-def set_switches(model, **switches) -> None:
-    # MERGE: force_loop / compile_elementwise are set here as attributes of the built experts (today's API); where they
-    # become constructor arguments, build the experts with them instead. Every switch of this file goes through here.
-    from megablocks_utils import moe_blocks
-
-    for block in moe_blocks(model):
-        for name, value in switches.items():
-            setattr(block.experts, name, value)
-
-
 def run(model, ids):
     from megablocks_utils import causal_lm_loss_sum
 
@@ -74,40 +64,36 @@ def measure(rank, world):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from megablocks_utils import moe_blocks, shard_moe
-    from megablocks_utils.moe.layer import grouped_mm_supported
+    from megablocks_utils.moe.experts import grouped_mm_supported
 
     config = MixtralConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                            num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
                            max_position_embeddings=512)
     torch.manual_seed(0)
     reference = MixtralForCausalLM(config).cuda().float()
-    ours = copy.deepcopy(reference)
-    shard_moe(ours, 1, device="cuda")
+    # The switches are constructor arguments: one copy of the model per setting, the same weights in each.
+    variants = {"compiled": {}, "eager": {"compile_elementwise": False}, "loop": {"force_loop": True, "compile_elementwise": False}}
+    models = {name: copy.deepcopy(reference) for name in variants}
+    for name, switches in variants.items():
+        shard_moe(models[name], 1, device="cuda", **switches)  # in place
+    ours = models["compiled"]
     ids = torch.randint(0, 1024, (4, 256), device="cuda")
     found = {}
     truth = run(reference, ids)
-    found["fp32_vs_transformers"] = compare(run(ours, ids), truth)
+    found["fp32_vs_transformers"] = compare(run(models["loop"], ids), truth)
 
-    experts = moe_blocks(ours)[0].experts
     rows = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
     counts_host = [0, 700, 3, 0, 150, 1, 146, 0]  # skewed, with empty experts
     counts = torch.tensor(counts_host, device="cuda")
     found["grouped_mm_supported"] = grouped_mm_supported(rows)
-    ours.bfloat16()
-    reference.bfloat16()
-    compiled = experts.compute(rows, counts, counts_host)
-    set_switches(ours, compile_elementwise=False)
-    eager = experts.compute(rows, counts, counts_host)
-    set_switches(ours, force_loop=True)
-    looped = experts.compute(rows, counts, counts_host)
-    set_switches(ours, force_loop=False)
+    for model in (reference, *models.values()):
+        model.bfloat16()
+    compiled, eager, looped = (moe_blocks(models[n])[0].experts.compute(rows, counts, counts_host) for n in ("compiled", "eager", "loop"))
     found["kernel_grouped_vs_loop"] = rel(eager, looped)
     found["kernel_compiled_vs_eager"] = rel(compiled, eager)
 
-    grouped = run(ours, ids)  # compile off: grouped_mm and the loop run the same element-wise code
-    set_switches(ours, force_loop=True)
-    found["model_grouped_vs_loop"] = compare(grouped, run(ours, ids))
-    set_switches(ours, force_loop=False, compile_elementwise=True)
+    grouped = run(models["eager"], ids)  # compile off: grouped_mm and the loop run the same element-wise code
+    found["model_grouped_vs_loop"] = compare(grouped, run(models["loop"], ids))
     fused = run(ours, ids)
     theirs = run(reference, ids)
     mean_err = lambda a: float((a[0].float() - truth[0]).abs().mean() / truth[0].abs().mean())  # noqa: E731
