@@ -326,6 +326,7 @@ class ExpertParallelExperts(nn.Module):
         self.is_silu = act_fn == "silu" and not interleaved
         self.compile_elementwise = True  # on CUDA, torch.compile the SiLU*up and the weighted combine of the k outputs
         self.overlap_chunks = 1  # ep > 1: tokens in this many chunks, one's all-to-all beside another's experts (forward)
+        self.lora = None  # finetuning="lora": the experts' adapters (moe/lora.py ExpertLoRA), added by model/lora.py
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
@@ -354,9 +355,10 @@ class ExpertParallelExperts(nn.Module):
         return self.mesh.ep_group
 
     @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
-    def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``expert_tensors()``' local blocks in ``dtype``, their gradients divided by ``grad_divisor`` on the way back."""
-        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.expert_tensors()]
+    def _local_weights(self, dtype: torch.dtype, tensors=None) -> tuple[torch.Tensor, ...]:
+        """``expert_tensors()``' (or ``tensors``') local blocks in ``dtype``, their gradients divided by ``grad_divisor``
+        on the way back."""
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.expert_tensors() if tensors is None else tensors)]
         if local[0].dtype == dtype and self.grad_divisor == 1:
             return tuple(local)
         divisor = self.grad_divisor
@@ -382,6 +384,7 @@ class ExpertParallelExperts(nn.Module):
         ``counts`` itself, a host sync that the grouped GEMM path never makes.
         """
         weights = self._local_weights(x.dtype)
+        adapters = self._local_weights(x.dtype, self.lora.tensors()) if self.lora is not None else ()
         if grouped_mm_supported(x) and not self.force_loop:
             w_gate_up, w_down = weights[:2]
             if not self.transposed:
@@ -398,6 +401,8 @@ class ExpertParallelExperts(nn.Module):
                     row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
                     add_bias = lambda rows, bias: _ExpertBias.apply(rows, bias, row_expert, counts)  # noqa: E731
             gate_up = gemm(x, w_gate_up)
+            if adapters:
+                gate_up = self.lora.add("gate_up_proj", gate_up, x, adapters, gemm)
             if self.has_bias:
                 gate_up = add_bias(gate_up, weights[2])
             if self.fuse_elementwise(gate_up) and self.is_silu:
@@ -405,8 +410,10 @@ class ExpertParallelExperts(nn.Module):
             else:
                 hidden = self._activate(gate_up)
             out = gemm(hidden, w_down)
+            if adapters:
+                out = self.lora.add("down_proj", out, hidden, adapters, gemm)
             return add_bias(out, weights[3]) if self.has_bias else out
-        return self.expert_loop(x, counts.tolist() if counts_host is None else counts_host, *weights)
+        return self.expert_loop(x, counts.tolist() if counts_host is None else counts_host, *weights, adapters=adapters)
 
     def expert_loop(
         self,
@@ -416,18 +423,27 @@ class ExpertParallelExperts(nn.Module):
         w_down: torch.Tensor,
         b_gate_up: torch.Tensor | None = None,
         b_down: torch.Tensor | None = None,
+        adapters: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
-        """The reference computation: one pair of GEMMs per local expert (any device, any dtype)."""
+        """The reference computation: one pair of GEMMs per local expert (any device, any dtype). ``adapters``:
+        the local blocks of ``self.lora.tensors()``."""
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
+            one = lambda a, w, e=e: a @ w[e]  # noqa: E731  (the adapters' product for this expert)
             if self.transposed:  # x @ W + b, as transformers computes these layouts
                 gate_up = rows @ w_gate_up[e]
                 gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
-                out = self._activate(gate_up) @ w_down[e]
-                outputs.append(out + b_down[e] if b_down is not None else out)
             else:
                 gate_up = F.linear(rows, w_gate_up[e], b_gate_up[e] if b_gate_up is not None else None)
-                outputs.append(F.linear(self._activate(gate_up), w_down[e], b_down[e] if b_down is not None else None))
+            if adapters:
+                gate_up = self.lora.add("gate_up_proj", gate_up, rows, adapters, one)
+            hidden = self._activate(gate_up)
+            if self.transposed:
+                out = hidden @ w_down[e]
+                out = out + b_down[e] if b_down is not None else out
+            else:
+                out = F.linear(hidden, w_down[e], b_down[e] if b_down is not None else None)
+            outputs.append(self.lora.add("down_proj", out, hidden, adapters, one) if adapters else out)
         hidden_size = w_down.shape[-1] if self.transposed else w_down.shape[1]
         return torch.cat(outputs) if outputs else x.new_zeros(0, hidden_size)
 
