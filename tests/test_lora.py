@@ -298,3 +298,37 @@ def test_checkpoints_hold_only_adapters_and_resume_exactly(lora_run, tiny_model_
     assert [s for s, _, _ in got] == [3, 4] and got == expected[2:], (got, expected)
     first, second = (load_file(os.path.join(d, "final", "adapter_model.safetensors")) for d in (lora_run, out))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_readme_lora_commands_parse_and_fit():
+    """README's LoRA commands: train_fsdp2.py's parser takes them, the LoRA checks pass, and the fit check says they fit
+    the GPU the README names (the published config.json in tests/configs)."""
+    import re
+    import shlex
+
+    from test_settings import BLOCK, FSDP2
+
+    from megablocks_utils.config.settings import parse_settings
+    from megablocks_utils.tools.memory import estimate_memory, fit_error, load_config
+
+    gpus = {"Qwen3-30B-A3B": ("qwen3-30b-a3b", 141), "Mixtral-8x7B-v0.1": ("mixtral-8x7b", 80)}
+    text = open(os.path.join(ROOT, "README.md")).read().split("\n## LoRA on every expert\n", 1)[1].split("\n## ", 1)[0]
+    commands = [c for block in re.findall(r"```bash\n(.*?)```", text, re.S) for c in block.replace("\\\n", " ").splitlines()]
+    assert len(commands) == 2 and all("--finetuning lora" in c for c in commands), commands
+    for command in commands:
+        words = shlex.split(command)
+        nproc = int(words[1].split("=")[1])
+        settings = dict(BLOCK)
+        parse_settings(settings, FSDP2, words[3:])
+        model, gib = gpus[os.path.basename(settings["model_name_or_path"])]
+        config = load_config(os.path.join(ROOT, "tests", "configs", model))
+        check_lora(config, finetuning=settings["finetuning"], r=settings["lora_r"], alpha=settings["lora_alpha"],
+                   dropout=settings["lora_dropout"], target_modules=settings["lora_target_modules"], moe_backend=settings["moe_backend"],
+                   load_balance_coeff=settings["load_balance_coeff"], merge_lora=settings["merge_lora"])
+        plan = estimate_memory(config, world_size=nproc, ep_size=settings["ep_size"], optim=settings["optim"], nproc_per_node=nproc,
+                               max_length=settings["max_length"], per_device_train_batch_size=settings["per_device_train_batch_size"],
+                               gradient_accumulation_steps=settings["gradient_accumulation_steps"],
+                               activation_checkpointing=settings["activation_checkpointing"], finetuning=settings["finetuning"],
+                               lora_r=settings["lora_r"], lora_dropout=settings["lora_dropout"],
+                               lora_target_modules=settings["lora_target_modules"])
+        assert fit_error(plan, gib * 2**30) is None and plan.total <= 0.9 * gib * 2**30, (command, plan.total / 2**30)
