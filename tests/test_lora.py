@@ -70,6 +70,7 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
         add_lora,
         is_adapter_name,
         load_peft_tensors,
+        merge_adapters,
         parse_targets,
         peft_config,
         peft_tensors,
@@ -119,6 +120,11 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and all(is_adapter_name(n) for n in trained), trained
     assert all(p.grad is None for n, p in model.named_parameters() if not is_adapter_name(n)), "a frozen weight got a gradient"
+    merge_adapters(model)  # W += s B A into each rank's shard of every weight, adapters removed: PEFT's logits again
+    assert not [n for n, _ in model.named_parameters() if is_adapter_name(n)]
+    with torch.no_grad():
+        merged = model(input_ids[rows], attention_mask=mask[rows]).logits
+    assert rel_err(merged, ref_out.logits[rows]) <= TOL, ("merged", rel_err(merged, ref_out.logits[rows]))
 
 
 @pytest.mark.parametrize("dp,ep,checkpointing,cases", [(1, 1, "none", CASES), (1, 2, "selective", MESH_CASES), (2, 2, "full", MESH_CASES)],
