@@ -91,7 +91,9 @@ def main() -> None:
         build_mesh,
         causal_lm_loss_sum,
         compile_dense_parts,
+        decoder_layers,
         shard_moe,
+        spec_for,
     )
     from megablocks_utils.data.batches import collate
     from megablocks_utils.model.attention import choose_attention
@@ -129,6 +131,14 @@ def main() -> None:
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention, **impl)
         if args.variant == "ours":
+            # shard_moe copies each layer's experts into its own tensors: from the host, not beside them on the GPU
+            spec = spec_for(config)
+            for layer in decoder_layers(model):
+                experts = getattr(getattr(layer, spec.block_attr), spec.experts_attr, None)
+                if experts is not None:
+                    experts.to("cpu")
+            if cuda:
+                torch.cuda.empty_cache()
             mesh = build_mesh(1, device.type)
             shard_moe(model, mesh, device=device)
             add_lora(model, mesh, lora, torch.float32)

@@ -283,8 +283,9 @@ def test_final_is_a_peft_adapter_that_gives_our_logits(lora_run, tiny_model_dir)
 
 
 def test_checkpoints_hold_only_adapters_and_resume_exactly(lora_run, tiny_model_dir, small_data, tmp_path):
-    """No frozen weight (nor its optimizer state) in a checkpoint; resuming from step 2 repeats steps 3 and 4 bit for
-    bit (adapter dropout included: the RNG state is restored) and ends with the same adapter."""
+    """No frozen weight (nor its optimizer state) in a checkpoint (the export command says so and stops); resuming from
+    step 2 repeats steps 3 and 4 bit for bit (adapter dropout included: the RNG state is restored) and ends with the
+    same adapter."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
@@ -296,6 +297,9 @@ def test_checkpoints_hold_only_adapters_and_resume_exactly(lora_run, tiny_model_
     state_keys = [k for k in keys if k.startswith("optim.state.")]
     assert model_keys and all(is_adapter_name(k) for k in model_keys), [k for k in model_keys if not is_adapter_name(k)][:5]
     assert state_keys and all(is_adapter_name(k) for k in state_keys), [k for k in state_keys if not is_adapter_name(k)][:5]
+    export = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", ckpt, str(tmp_path / "hf")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 2 and "is a LoRA run's checkpoint: it holds the adapters only" in export.stdout, export.stdout
 
     out = str(tmp_path / "resumed")
     train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, *LORA_ARGS, "--resume", ckpt)
