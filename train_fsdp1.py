@@ -32,6 +32,7 @@ attn_implementation = "auto"  # "auto" (the fastest exact kernel for model, devi
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
+finetuning = "full"  # "full" only here: for "lora" (frozen weights, adapters, a PEFT adapter out) use train_fsdp2.py
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
@@ -134,6 +135,8 @@ try:
     trainer_argv = parse_settings(settings, __file__, known_extra=training_flags - set(settings),
                                   extra_kind="TrainingArguments flag", doc=__doc__, more_help=trainer_help)
     globals().update(settings)
+    if finetuning != "full":  # FSDP1 here keeps the experts as ignored_modules, outside any adapter path
+        raise InputError(f"--finetuning {finetuning} is not supported by train_fsdp1.py; use train_fsdp2.py --finetuning {finetuning}")
     defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]
     if not use_cuda:
         # Without --use_cpu accelerate brings CPU processes up as DistributedType.NO: no process group,

@@ -31,6 +31,12 @@ ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
+finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in the compute dtype, adapters train; final/ is a PEFT adapter)
+lora_r = 16  # LoRA rank of each adapter
+lora_alpha = 32  # LoRA scale: adapters add (alpha / r) * B A
+lora_dropout = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
+lora_target_modules = "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj"  # PEFT names, comma-separated: linear layers and the experts' fused weights (never routers)
+merge_lora = False  # finetuning="lora": also write the merged model in hub layout to output_dir/merged
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 per_device_train_batch_size = 4  # rows (packed) or samples per rank per micro-step
@@ -80,6 +86,7 @@ from megablocks_utils.config.inputs import (  # noqa: E402
 )
 from megablocks_utils.config.settings import parse_settings  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
+from megablocks_utils.model.lora import check_lora  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
@@ -92,7 +99,7 @@ from megablocks_utils.tools.memory import (  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
-RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoints")  # what a run leaves in output_dir
+RESULTS = ("metrics.jsonl", "summary.json", "final", "merged", "checkpoints")  # what a run leaves in output_dir
 
 # ----------------------------------------------------------------------------- inputs
 # Checked on every rank alike from the same files, before the process group and anything heavy: a
@@ -106,6 +113,8 @@ try:
     num_experts, experts_name, model_config = check_data_and_model(data_path, eval_data_path, eval_split, model_name_or_path,
                                                                   attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
     check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
+    lora = check_lora(model_config, finetuning=finetuning, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_target_modules,
+                      moe_backend=moe_backend, load_balance_coeff=load_balance_coeff, merge_lora=merge_lora)  # None: a full fine-tune
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
@@ -125,6 +134,11 @@ from megablocks_utils import (  # noqa: E402
     spec_for,
 )
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
+from megablocks_utils.model.lora import (  # noqa: E402
+    add_lora,
+    merge_adapters,
+    save_peft_adapter,
+)
 from megablocks_utils.moe.balance import (  # noqa: E402
     add_routing_bias,
     routing_bias_note,
@@ -211,7 +225,8 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        dp_replicate=dp_replicate, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                        max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
                        gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
-                       activation_checkpointing_layers=activation_checkpointing_layers)
+                       activation_checkpointing_layers=activation_checkpointing_layers, finetuning=finetuning, lora_r=lora_r,
+                       lora_dropout=lora_dropout, lora_target_modules=lora_target_modules)
 gpu_bytes = 0  # on CPU: nothing to fit into
 if use_cuda:
     gpu_bytes = gpu_memory_gib * 2**30 if gpu_memory_gib > 0 else torch.cuda.get_device_properties(device).total_memory
@@ -236,8 +251,10 @@ if master and space:
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():
-    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=param_dtype(optim), moe_backend=moe_backend,
-                             attn_implementation=attention)
+    # LoRA: the frozen weights in the compute dtype, the adapters in the optimizer's (megablocks_utils/model/lora.py).
+    model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=compute_dtype if lora else param_dtype(optim),
+                             moe_backend=moe_backend, attn_implementation=attention)
+    lora_targets = add_lora(model, mesh, lora, param_dtype(optim), seed) if lora else None
 config = model.config
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
 if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bias (megablocks_utils/moe/balance.py)
@@ -245,7 +262,9 @@ if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bia
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}); optim {optim}; attention {attention_choice}; {data.describe(batches.per_step)}; "
+        f"over dp, dp_replicate {dp_replicate}); optim {optim}; "
+        + (f"LoRA r {lora.r} on {', '.join(lora.targets)} ({plan.adapters / 1e6:.2f} M adapter params, the rest frozen); " if lora else "")
+        + f"attention {attention_choice}; {data.describe(batches.per_step)}; "
         f"{total_steps} steps", flush=True,
     )
 
@@ -376,15 +395,30 @@ runtime = time.perf_counter() - run_start
 # ----------------------------------------------------------------------------- summary and export
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
 local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-state_sizes = torch.tensor([sum(t.numel() for t in local), sum(2 * t.numel() * t.element_size() for t in local) + state_bytes(optimizer)],
+grad_copies = [2 if p.requires_grad else 1 for p in model.parameters()]  # a frozen weight (LoRA) has no gradient
+state_sizes = torch.tensor([sum(t.numel() for t in local),
+                            sum(c * t.numel() * t.element_size() for c, t in zip(grad_copies, local)) + state_bytes(optimizer)],
                            dtype=torch.float64, device=device)
 dist.all_reduce(state_sizes)
 summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipped_steps=nonfinite_steps.skipped,
                       dp=mesh.dp_size, ep=mesh.ep_size, bytes_per_param=float(state_sizes[1] / state_sizes[0]), optim=optim)
-export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
+if lora:  # final/: a PEFT adapter of the base model; merged/: the base with the adapters folded in
+    save_peft_adapter(model, lora, lora_targets, os.path.join(output_dir, "final"), model_name_or_path, tokenizer)
+    if merge_lora:
+        merge_adapters(model)
+        export_hf(model, mesh, os.path.join(output_dir, "merged"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
+else:
+    export_hf(model, mesh, os.path.join(output_dir, "final"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 if master:
     progress.close()
     if board:
         board.close()
-    log.finish(summary, output_dir, note=routing_bias_note(model, load_balance_coeff))  # summary.json and the run's last lines
+    saved = None  # the default line: the model in hub layout in final/
+    notes = [routing_bias_note(model, load_balance_coeff)]
+    if lora:
+        saved = (f"saved the LoRA adapter (PEFT: PeftModel.from_pretrained(base, path)) to {os.path.join(output_dir, 'final')}"
+                 + (f"; the merged model in hub layout to {os.path.join(output_dir, 'merged')}" if merge_lora else ""))
+        if lora.dropout > 0 and lora_targets.target_parameters:
+            notes.append("note: adapter_config.json says lora_dropout 0: PEFT refuses dropout on fused experts (inference is the same)")
+    log.finish(summary, output_dir, saved=saved, note="\n".join(n for n in notes if n) or None)  # summary.json, the last lines
 dist.destroy_process_group()

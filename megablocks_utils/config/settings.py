@@ -103,6 +103,11 @@ RULES = {
     "activation_checkpointing": Choice((*ACTIVATION_CHECKPOINTING, "true", "false"), bare="full"),
     "activation_checkpointing_layers": Number(low=0, special=-1, special_means="every decoder layer"),
     "gpu_memory_gib": NON_NEGATIVE,
+    # finetuning and LoRA (lora_target_modules is checked against the model: megablocks_utils/model/lora.py)
+    "finetuning": Choice(("full", "lora")),
+    "lora_r": POSITIVE,
+    "lora_alpha": POSITIVE,
+    "lora_dropout": FRACTION,
     "collective_timeout_s": POSITIVE,
     "ddp_timeout": POSITIVE,
     # optimizer and learning rate

@@ -90,14 +90,16 @@ class LocalExperts:
         self.force_loop = force_loop
 
     def __call__(
-        self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], counts_host: list[int] | None = None, *, fuse: bool = False
+        self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], counts_host: list[int] | None = None, *,
+        fuse: bool = False, lora=None, adapters: tuple[torch.Tensor, ...] = ()
     ) -> torch.Tensor:
         """``counts`` rows of ``x`` per local expert through their experts. ``counts_host`` (``counts`` as a list)
         is needed only by the per-expert loop; without it the loop reads ``counts`` itself, a host sync that the
-        grouped GEMM path never makes. ``fuse``: SiLU * up as one compiled kernel (CUDA)."""
+        grouped GEMM path never makes. ``fuse``: SiLU * up as one compiled kernel (CUDA). ``lora``/``adapters``:
+        the experts' LoRA (moe/lora.py) and the local blocks of its tensors, added after each projection."""
         if grouped_mm_supported(x) and not self.force_loop:
-            return self.grouped(x, counts, weights, fuse)
-        return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights)
+            return self.grouped(x, counts, weights, fuse, lora, adapters)
+        return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
 
     def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.interleaved:
@@ -111,7 +113,8 @@ class LocalExperts:
             return _clamped_swiglu(gate, up, *self.clamped_swiglu)
         return self.act_fn(gate) * up
 
-    def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool, lora=None,
+                adapters: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """All local experts in one grouped GEMM per projection; ``counts`` stays on the device (no host sync)."""
         has_bias = len(weights) == 4
         w_gate_up, w_down = weights[:2]
@@ -129,6 +132,8 @@ class LocalExperts:
                 row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
                 add_bias = lambda rows, bias: _ExpertBias.apply(rows, bias, row_expert, counts)  # noqa: E731
         gate_up = gemm(x, w_gate_up)
+        if adapters:  # two more grouped GEMMs on the same rows: x @ A_e, then @ B_e (no delta weight)
+            gate_up = lora.add("gate_up_proj", gate_up, x, adapters, gemm)
         if has_bias:
             gate_up = add_bias(gate_up, weights[2])
         if fuse and self.is_silu:
@@ -136,21 +141,31 @@ class LocalExperts:
         else:
             hidden = self.activate(gate_up)
         out = gemm(hidden, w_down)
+        if adapters:
+            out = lora.add("down_proj", out, hidden, adapters, gemm)
         return add_bias(out, weights[3]) if has_bias else out
 
-    def loop(self, x: torch.Tensor, counts_host: list[int], weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def loop(self, x: torch.Tensor, counts_host: list[int], weights: tuple[torch.Tensor, ...], lora=None,
+             adapters: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """The reference computation: one pair of GEMMs per local expert (any device, any dtype)."""
         w_gate_up, w_down = weights[:2]
         b_gate_up, b_down = weights[2:] if len(weights) == 4 else (None, None)
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
+            one = lambda a, w, e=e: a @ w[e]  # noqa: E731  (an adapter's product for this expert)
             if self.transposed:  # x @ W + b, as transformers computes these layouts
                 gate_up = rows @ w_gate_up[e]
                 gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
-                out = self.activate(gate_up) @ w_down[e]
-                outputs.append(out + b_down[e] if b_down is not None else out)
             else:
                 gate_up = F.linear(rows, w_gate_up[e], b_gate_up[e] if b_gate_up is not None else None)
-                outputs.append(F.linear(self.activate(gate_up), w_down[e], b_down[e] if b_down is not None else None))
+            if adapters:
+                gate_up = lora.add("gate_up_proj", gate_up, rows, adapters, one)
+            hidden = self.activate(gate_up)
+            if self.transposed:
+                out = hidden @ w_down[e]
+                out = out + b_down[e] if b_down is not None else out
+            else:
+                out = F.linear(hidden, w_down[e], b_down[e] if b_down is not None else None)
+            outputs.append(lora.add("down_proj", out, hidden, adapters, one) if adapters else out)
         hidden_size = w_down.shape[-1] if self.transposed else w_down.shape[1]
         return torch.cat(outputs) if outputs else x.new_zeros(0, hidden_size)

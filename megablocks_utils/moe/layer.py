@@ -72,6 +72,7 @@ class ExpertParallelExperts(nn.Module):
         self.overlap_chunks = overlap_chunks
         # Experts FSDP leaves out (parallelize: dp = 1): their gradients divided by world size in the cast's backward.
         self.grad_divisor = 1
+        self.lora = None  # finetuning="lora": the experts' adapters (moe/lora.py ExpertLoRA), added by model/lora.py
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
@@ -100,15 +101,18 @@ class ExpertParallelExperts(nn.Module):
         return self.mesh.ep_group
 
     @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
-    def _local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``expert_tensors()``' local blocks in ``dtype``, their gradients divided by ``grad_divisor`` on the way back."""
-        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.expert_tensors()]
+    def _local_weights(self, dtype: torch.dtype, tensors=None) -> tuple[torch.Tensor, ...]:
+        """``expert_tensors()``' (or ``tensors``') local blocks in ``dtype``, their gradients divided by
+        ``grad_divisor`` on the way back."""
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.expert_tensors() if tensors is None else tensors)]
         return cast_weights(local, dtype, self.grad_divisor, self.compile_elementwise)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert (``LocalExperts``; ``counts_host``,
         ``counts`` as a list, spares the per-expert loop a host sync)."""
-        return self.local(x, counts, self._local_weights(x.dtype), counts_host, fuse=self.fuse_elementwise(x))
+        adapters = self._local_weights(x.dtype, self.lora.tensors()) if self.lora is not None else ()
+        return self.local(x, counts, self._local_weights(x.dtype), counts_host, fuse=self.fuse_elementwise(x),
+                          lora=self.lora, adapters=adapters)
 
     def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts).

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Shard
 
 from megablocks_utils.model.architectures import decoder_layers
 from megablocks_utils.model.build import moe_blocks, shard_moe
+from megablocks_utils.model.lora import is_adapter_name
 from megablocks_utils.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
@@ -78,8 +79,8 @@ def needs_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> boo
     ~0.15 s of a 0.95 s step). Without it, gradients accumulate over micro-steps in the parameters' own
     dtype (FSDP accumulates unsharded dense gradients in fp32): with bf16 parameters that is what plain
     transformers training does. With fp32 parameters and bf16 compute (``adamw_torch`` on a GPU) FSDP stays:
-    its mixed precision is the cast."""
-    return _fsdp_has_work(mesh.dense.size(), model.parameters(), param_dtype)
+    its mixed precision is the cast. LoRA adapters do not count: they cast themselves (``model/lora.py``)."""
+    return _fsdp_has_work(mesh.dense.size(), [p for n, p in model.named_parameters() if not is_adapter_name(n)], param_dtype)
 
 
 def _fsdp_has_work(mesh_size: int, params, param_dtype: torch.dtype) -> bool:

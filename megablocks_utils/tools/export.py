@@ -244,6 +244,9 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
         raise CheckpointError(f"cannot read the DCP metadata of {checkpoint_dir} ({e}); the checkpoint is incomplete") from e
     prefix = "model."
     shapes = {k[len(prefix):]: m for k, m in metadata.items() if k.startswith(prefix) and hasattr(m, "size")}
+    if any(".lora_A" in n for n in shapes):
+        raise CheckpointError(f"{checkpoint_dir} is a LoRA run's checkpoint: it holds the adapters only. The run's final/ is a "
+                              "PEFT adapter of the base model; --merge_lora true also writes the merged model")
     expert_suffix = f".{spec.block_attr}.{spec.experts_attr}."
 
     def read(names):

@@ -36,6 +36,7 @@ from megablocks_utils.config.inputs import (
     resolve_shard_experts,
 )
 from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.model.lora import DEFAULT_TARGETS
 
 GiB = 2**30
 
@@ -102,6 +103,10 @@ DEFAULTS = dict(
     gradient_accumulation_steps=2,
     activation_checkpointing="none",
     activation_checkpointing_layers=-1,
+    finetuning="full",
+    lora_r=16,
+    lora_dropout=0.0,
+    lora_target_modules=DEFAULT_TARGETS,
 )
 
 
@@ -378,6 +383,10 @@ class Plan:
     gradient_accumulation_steps: int
     activation_checkpointing: object
     activation_checkpointing_layers: int = -1  # how many decoder layers it applies to (-1: all)
+    finetuning: str = "full"  # or "lora": frozen weights in the compute dtype, adapters train
+    lora_r: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: str = DEFAULT_TARGETS
 
 
 @dataclass
@@ -404,6 +413,7 @@ class MemoryEstimate:
     config: object = None
     fsdp: bool = True  # False: one rank with bf16 weights (parallelize.needs_fsdp), gradients accumulated in place
     expert_grads_persist: bool = False  # expert gradients live across micro-steps, next to the activations
+    adapters: int = 0  # LoRA's adapter parameters (global); 0 for a full fine-tune
 
     def describe(self) -> str:
         p = self.plan
@@ -414,7 +424,9 @@ class MemoryEstimate:
             + (f" (dp_replicate {p.dp_replicate})" if p.dp_replicate > 1 else "")
             + f", shard_experts {str(self.shard_experts).lower()}, optim {p.optim}, micro batch {p.per_device_train_batch_size}"
             f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
-            f"{checkpointing_text(self)}",
+            f"{checkpointing_text(self)}"
+            + (f", LoRA r {p.lora_r} ({self.adapters / 1e6:.1f} M adapter params train; the weights are frozen in bf16)"
+               if p.finetuning == "lora" else ""),
             "per GPU                GiB",
         ]
         for label, value in [
@@ -454,6 +466,10 @@ def estimate_memory(
     gradient_accumulation_steps: int = 1,
     activation_checkpointing="none",
     activation_checkpointing_layers: int = -1,
+    finetuning: str = "full",
+    lora_r: int = 16,
+    lora_dropout: float = 0.0,
+    lora_target_modules: str = DEFAULT_TARGETS,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     config = load_config(config_or_dir)
@@ -469,6 +485,10 @@ def estimate_memory(
         gradient_accumulation_steps=gradient_accumulation_steps,
         activation_checkpointing=activation_checkpointing,
         activation_checkpointing_layers=activation_checkpointing_layers,
+        finetuning=finetuning,
+        lora_r=lora_r,
+        lora_dropout=lora_dropout,
+        lora_target_modules=lora_target_modules,
     )
     return _estimate(config, plan)
 
@@ -497,6 +517,42 @@ def _positive(name: str, value) -> None:
         raise InputError(f"{name}={value!r} must be a positive integer")
 
 
+def _adapters(config, plan: Plan):
+    """LoRA's adapter counts for the plan (``model/lora.py``, from the model built on the meta device), or None."""
+    if plan.finetuning == "full":
+        return None
+    if plan.finetuning != "lora":
+        raise InputError(f"finetuning={plan.finetuning!r} is unknown; choose full or lora")
+    _positive("lora_r", plan.lora_r)
+    from megablocks_utils.model.lora import adapter_counts
+
+    return adapter_counts(config, plan.lora_target_modules, plan.lora_r)
+
+
+def _adapter_activation_bytes(config, lora, tokens: int, mode: str, checkpointed: int, dropout: float) -> float:
+    """What the adapters add to the activations: per adapted projection and token (copy, for experts) the [., r]
+    product that B's GEMM saves; with dropout the dropped input and its mask; under "selective" also B's output (a
+    GEMM output, kept like the base projection's). Checkpointed ("full") layers keep nothing of it, the one being
+    recomputed everything."""
+    s = _shape(config)
+    chosen = _checkpointed(s, mode, checkpointed)
+
+    def layer(row, layer_mode: str) -> float:
+        dense_r, dense_in, dense_out, expert_r, expert_in, expert_out = row
+        if layer_mode == "full":
+            return 0.0
+        per_copy = ACT * (dense_r + EXPERT_LOAD_IMBALANCE * s.top_k * expert_r)
+        if dropout > 0:
+            per_copy += (ACT + 1) * (dense_in + EXPERT_LOAD_IMBALANCE * s.top_k * expert_in)
+        if layer_mode == "selective":
+            per_copy += ACT * (dense_out + EXPERT_LOAD_IMBALANCE * s.top_k * expert_out)
+        return per_copy
+
+    kept = sum(layer(row, mode if i in chosen else "none") for i, row in enumerate(lora.layers))
+    recompute = max((layer(lora.layers[i], "none") for i in chosen), default=0.0) if mode != "none" else 0.0
+    return tokens * (kept + recompute)
+
+
 def _estimate(config, plan: Plan) -> MemoryEstimate:
     for name in ("world_size", "dp_replicate", "nproc_per_node", "max_length", "per_device_train_batch_size", "gradient_accumulation_steps"):
         _positive(name, getattr(plan, name))
@@ -521,43 +577,53 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
 
     dense_shards = w // r  # HSDP: sharded over W / R, replicated over R
     expert_shards = ep * (dp // r) if shard else ep
-    local_params = counts.dense / dense_shards + counts.expert / expert_shards
     param_b, grad_b, state_b = OPTIM_BYTES[plan.optim]
+    # What trains (every weight; with LoRA the adapters) has gradients and optimizer state; LoRA's frozen weights
+    # are kept in the compute dtype and have neither (megablocks_utils/model/lora.py).
+    lora = _adapters(config, plan)
+    trained = counts if lora is None else lora
+    local_params = trained.dense / dense_shards + trained.expert / expert_shards
+    frozen = 0.0 if lora is None else COMPUTE_BYTES * (counts.dense / dense_shards + counts.expert / expert_shards)
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
-    lm_head = counts.vocab * counts.hidden  # its gradient: from the first step of the backward to the root's reduce-scatter
+    trained_experts_layer = trained.expert_layer / ep
+    # lm_head's gradient: from the first step of the backward to the root's reduce-scatter (frozen with LoRA)
+    lm_head = counts.vocab * counts.hidden if lora is None else 0
     if dp > 1:  # experts under FSDP (parallelize.experts_need_fsdp)
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * (counts.dense_layer + local_experts_layer))
-        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + UNSHARDED_GRAD_BYTES * local_experts_layer + COMPUTE_BYTES * lm_head
+        gathered_grads = UNSHARDED_GRAD_BYTES * trained.dense_layer + UNSHARDED_GRAD_BYTES * trained_experts_layer + COMPUTE_BYTES * lm_head
     else:  # left out: nothing gathered, their gradients land in place
         casts = 0.0
         if param_b != COMPUTE_BYTES:  # fp32 weights: the layer's bf16 cast is saved for the backward of each layer not
             # checkpointed, and exists for one checkpointed layer at a time (its recompute)
             kept = _uncheckpointed_moe_layers(config, mode, checkpointed) + (1 if mode != "none" and checkpointed else 0)
-            casts = COMPUTE_BYTES * local_experts_layer * kept
+            casts = COMPUTE_BYTES * trained_experts_layer * kept
         gathered_weights = COMPUTE_BYTES * (counts.root + GATHERED_LAYERS * counts.dense_layer) + casts
         # one layer's bf16 gradient as the backward makes it, and its copy divided by world size in the weights'
         # dtype (the backward of the layer's cast, moe/cast.py's _CastDivided), before it is added in place
-        gathered_grads = UNSHARDED_GRAD_BYTES * counts.dense_layer + (COMPUTE_BYTES + grad_b) * local_experts_layer + COMPUTE_BYTES * lm_head
+        gathered_grads = UNSHARDED_GRAD_BYTES * trained.dense_layer + (COMPUTE_BYTES + grad_b) * trained_experts_layer + COMPUTE_BYTES * lm_head
     accumulated = 0.0
     if plan.gradient_accumulation_steps > 1:
         # Dense gradients wait unsharded in fp32 until the last micro-step; so do experts replicated over
         # dp. Others are reduced at every micro-step (parallelize.set_gradient_sync).
         replicated = not shard and dp > 1
-        accumulated = ACCUMULATED_GRAD_BYTES * (counts.dense + (counts.expert / ep if replicated else 0))
+        accumulated = ACCUMULATED_GRAD_BYTES * (trained.dense + (trained.expert / ep if replicated else 0))
 
     tokens = plan.per_device_train_batch_size * plan.max_length
     activations = activation_bytes(config, tokens, mode, checkpointed)
+    if lora is not None:
+        activations += _adapter_activation_bytes(config, lora, tokens, mode, checkpointed, plan.lora_dropout)
     logits = LOGITS_BYTES * tokens * counts.vocab
-    params, grads, state = param_b * local_params, grad_b * local_params, state_b * local_params
+    params, grads, state = param_b * local_params + frozen, grad_b * local_params, state_b * local_params
     during_backward = max(grads, activations + logits + accumulated)
     expert_grads_persist = plan.gradient_accumulation_steps > 1 and (shard or dp == 1)  # reduced at every micro-step
     if expert_grads_persist:
         # Expert gradients are reduced into their sharded gradients at every micro-step (or accumulate there in
         # place, experts left out of FSDP), so from the second micro-step on they exist next to its activations.
-        expert_grads = grad_b * counts.expert / expert_shards
+        expert_grads = grad_b * trained.expert / expert_shards
         during_backward = expert_grads + max(grads - expert_grads, activations + logits + accumulated)
-    fsdp = not (w == 1 and param_b == COMPUTE_BYTES)
+    # one rank: no FSDP where it would cast nothing (bf16 weights, or LoRA, whose adapters cast themselves)
+    fsdp = not (w == 1 and (param_b == COMPUTE_BYTES or lora is not None))
     if not fsdp:
         # parallelize.needs_fsdp: one rank with bf16 weights has no FSDP, so nothing is gathered or reduced; the
         # gradients accumulate in place from the first micro-step, so from the second on they meet the activations.
@@ -586,6 +652,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         config=config,
         fsdp=fsdp,
         expert_grads_persist=expert_grads_persist and fsdp,
+        adapters=0 if lora is None else lora.dense + lora.expert,
     )
 
 # ----------------------------------------------------------------------------- does it fit, and what would
@@ -742,6 +809,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="how many decoder layers to checkpoint, spread evenly; -1 = all")
     parser.add_argument("--shard_experts", default=DEFAULTS["shard_experts"], help="auto, true or false")
     parser.add_argument("--dp_replicate", type=int, default=DEFAULTS["dp_replicate"])
+    parser.add_argument("--finetuning", default=DEFAULTS["finetuning"], choices=["full", "lora"],
+                        help="lora: weights frozen in bf16, adapters on --lora_target_modules train")
+    parser.add_argument("--lora_r", type=int, default=DEFAULTS["lora_r"])
+    parser.add_argument("--lora_dropout", type=float, default=DEFAULTS["lora_dropout"])
+    parser.add_argument("--lora_target_modules", default=DEFAULTS["lora_target_modules"], help="PEFT names, comma-separated")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
@@ -759,6 +831,10 @@ def main(argv: list[str] | None = None) -> int:
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             activation_checkpointing=args.activation_checkpointing,
             activation_checkpointing_layers=args.activation_checkpointing_layers,
+            finetuning=args.finetuning,
+            lora_r=args.lora_r,
+            lora_dropout=args.lora_dropout,
+            lora_target_modules=args.lora_target_modules,
         )
     except InputError as e:
         parser.error(str(e))

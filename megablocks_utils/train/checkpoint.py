@@ -23,7 +23,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
 STATE_NAME = "trainer_state.json"
@@ -134,6 +134,12 @@ def stop_if_save_failed(error: BaseException | None, step: int, partial: str, li
     )
 
 
+def state_dict_options(model) -> StateDictOptions:
+    """LoRA (frozen base weights): the checkpoint holds only what trains, the base comes from the model directory."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_state: dict, keep_last: int, source_dir: str | None = None) -> str:
     """Collective: every rank writes its shards; returns the final directory.
 
@@ -150,7 +156,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, trainer_s
         except OSError as e:
             error = e
     stop_if_save_failed(error, step, tmp, lambda: complete_checkpoints(root), "--resume auto")  # also the barrier before the others write
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options(model))
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
@@ -211,7 +217,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
             state = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {os.path.join(path, STATE_NAME)} ({e}); resume from an earlier checkpoint") from e
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = state_dict_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     target = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(target, checkpoint_id=path)
@@ -220,7 +227,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
             f"the checkpoint {path} is corrupt or truncated ({describe_failure(e)}); "
             "resume from an earlier checkpoint or delete this one"
         ) from e
-    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"], options=options)
     scheduler.load_state_dict(_tensors_from_json(state["scheduler"]))
     rng_path = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     if state["world_size"] == dist.get_world_size() and os.path.isfile(rng_path):

@@ -88,8 +88,9 @@ def decay_parameter_names(model: torch.nn.Module) -> set[str]:
 
 def parameter_groups(model: torch.nn.Module, expert_params: set, weight_decay: float) -> list[dict]:
     """The optimizer's groups: one per mesh (dense FSDP shards, expert shards), and with ``weight_decay`` > 0
-    each split into decayed and not decayed parameters (Trainer's rule, ``decay_parameter_names``)."""
-    named = list(model.named_parameters())
+    each split into decayed and not decayed parameters (Trainer's rule, ``decay_parameter_names``). Frozen parameters
+    (LoRA's base weights) are left out."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     by_mesh = [[(n, p) for n, p in named if p not in expert_params], [(n, p) for n, p in named if p in expert_params]]
     if weight_decay == 0:  # two groups, as checkpoints written without weight decay hold them
         return [{"params": [p for _, p in params]} for params in by_mesh]

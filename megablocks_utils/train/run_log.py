@@ -142,16 +142,17 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
 
-    def finish(self, summary: dict, output_dir: str, note: str | None = None) -> None:
+    def finish(self, summary: dict, output_dir: str, saved: str | None = None, note: str | None = None) -> None:
         """Rank 0, at the end of either script: metrics.jsonl closed, summary.json written, and the run's last
-        lines printed (the summary, the skipped steps, where the model is, ``note``)."""
+        lines printed (the summary, the skipped steps, where the model is (``saved``, by default final/ in hub
+        layout), ``note``)."""
         self.close()
         write_summary(os.path.join(output_dir, "summary.json"), summary)
         print(summary_line(summary), flush=True)
         if summary["skipped_steps"]:
             print(f"skipped steps: {summary['skipped_steps']} (a non-finite loss or gradient norm; \"skipped\" in metrics.jsonl)",
                   flush=True)
-        print(f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
+        print(saved or f"saved the model in hub layout to {os.path.join(output_dir, 'final')}", flush=True)
         if note:
             print(note, flush=True)
 

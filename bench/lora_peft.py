@@ -1,0 +1,206 @@
+"""LoRA on every expert: ours (train_fsdp2.py --finetuning lora's model) against transformers + PEFT
+(``LoraConfig(target_parameters=...)``), one GPU, the same packed rows, the same weights and adapters.
+
+    torchrun --nproc_per_node=1 bench/lora_peft.py --variant ours --out bench/results/lora_peft_h200.jsonl
+    torchrun --nproc_per_node=1 bench/lora_peft.py --variant peft --out bench/results/lora_peft_h200.jsonl
+
+The model: ``--model_config``'s config.json (default Qwen3-30B-A3B's, tests/configs) with ``--layers`` decoder layers,
+random bf16 weights from one seed (transformers' init), built on the GPU. The adapters: PEFT's default targets of
+train_fsdp2.py (q/k/v/o and every expert's gate_up_proj and down_proj), rank ``--r``, alpha 2r, fp32 (both), every A
+and B drawn from a seed per PEFT key (B non-zero, so the adapters change the loss): both variants train the same
+function. The rows: ``--micro_batch`` x ``--seq`` tokens, packed documents of random lengths (seeded), through
+data.collate, the attention ``--attn`` for both (default varlen: no mask built). The loss: cross-entropy only (no
+load-balancing loss; the routers are frozen). Optimizer: torch's fused AdamW on the adapters.
+
+- ours: ``shard_moe`` (ep 1), ``add_lora``, ``parallelize`` as the script (no FSDP on one GPU; ``--ac``), the adapters
+  inside the grouped GEMMs.
+- peft: transformers' model with ``experts_implementation="grouped_mm"``, ``get_peft_model``; PEFT adds s * B_e A_e to
+  each expert weight per forward (a parametrization), so each layer builds an [E, out, in] weight; ``--ac full`` is
+  transformers' gradient checkpointing (non-reentrant).
+
+Each run appends one JSON record (step time median after ``--warmup``, tokens/s, peak memory, each step's loss and
+gradient norm) to ``--out``; the two variants' losses should agree to bf16 rounding, step by step.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+
+
+def packed_rows(generator: torch.Generator, rows: int, seq: int, vocab: int, mean_doc: int) -> list[dict]:
+    """``rows`` rows of ``seq`` tokens, each documents of random lengths (exponential around ``mean_doc``), every token
+    a label; the collator's layout (per-document position ids)."""
+    out = []
+    for _ in range(rows):
+        ids, positions = [], []
+        while len(ids) < seq:
+            n = min(seq - len(ids), max(16, int(torch.empty(1).exponential_(1 / mean_doc, generator=generator))))
+            ids += torch.randint(1, vocab, (n,), generator=generator).tolist()
+            positions += list(range(n))
+        out.append({"input_ids": ids, "labels": ids, "position_ids": positions})
+    return out
+
+
+def seeded_adapters(keys_shapes: dict) -> dict:
+    """Every adapter tensor (PEFT keys and layout) from a seed of its own key: the same in both variants."""
+    state = {}
+    for key, shape in keys_shapes.items():
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        fan_in = shape[-1] if ".lora_A." in key else None
+        scale = 1 / fan_in**0.5 if fan_in else 0.02
+        state[key] = (torch.rand(shape, generator=g) * 2 - 1) * scale
+    return state
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=["ours", "peft"], required=True)
+    p.add_argument("--model_config", default=os.path.join(ROOT, "tests", "configs", "qwen3-30b-a3b"))
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro_batch", type=int, default=1)
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--mean_doc", type=int, default=1024, help="mean document length in the packed rows")
+    p.add_argument("--r", type=int, default=16)
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="selective: ours only")
+    p.add_argument("--compile_dense", action="store_true", help="torch.compile attention and norms (both variants)")
+    p.add_argument("--attn", default="varlen", help="varlen (GPU), sdpa, flex_attention, eager")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(BENCH, "results", "lora_peft.jsonl"))
+    args = p.parse_args()
+    if args.variant == "peft" and args.ac == "selective":
+        p.error("--ac selective is ours only (transformers has no selective checkpointing)")
+
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megablocks_utils import (
+        build_mesh,
+        causal_lm_loss_sum,
+        compile_dense_parts,
+        decoder_layers,
+        shard_moe,
+        spec_for,
+    )
+    from megablocks_utils.data.batches import collate
+    from megablocks_utils.model.attention import choose_attention
+    from megablocks_utils.model.lora import (
+        DEFAULT_TARGETS,
+        LoraSettings,
+        add_lora,
+        find_targets,
+        load_peft_tensors,
+        parse_targets,
+        peft_config,
+        peft_tensors,
+    )
+    from megablocks_utils.parallel.grads import clip_grad_norm_
+    from megablocks_utils.parallel.parallelize import parallelize
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = AutoConfig.from_pretrained(args.model_config)
+    config.num_hidden_layers = args.layers
+    config.use_cache = False
+    attention = choose_attention(args.attn, config, device.type)[0]
+    lora = LoraSettings(r=args.r, alpha=2 * args.r, dropout=0.0, targets=parse_targets(DEFAULT_TARGETS))
+    record = {"variant": args.variant, "device": torch.cuda.get_device_name() if cuda else "cpu", "model": os.path.basename(args.model_config),
+              "layers": args.layers, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "r": args.r,
+              "ac": args.ac, "compile_dense": args.compile_dense, "attention": attention, "date": date.today().isoformat(),
+              "torch": torch.__version__}
+    try:
+        torch.manual_seed(0)
+        impl = {"experts_implementation": "grouped_mm"} if args.variant == "peft" and cuda else {}
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention, **impl)
+        if args.variant == "ours":
+            # shard_moe copies each layer's experts into its own tensors: from the host, not beside them on the GPU
+            spec = spec_for(config)
+            for layer in decoder_layers(model):
+                experts = getattr(getattr(layer, spec.block_attr), spec.experts_attr, None)
+                if experts is not None:
+                    experts.to("cpu")
+            if cuda:
+                torch.cuda.empty_cache()
+            mesh = build_mesh(1, device.type)
+            shard_moe(model, mesh, device=device)
+            add_lora(model, mesh, lora, torch.float32)
+            parallelize(model, mesh, param_dtype=dtype, activation_checkpointing=args.ac, compile_dense=args.compile_dense, device=device)
+            keys = {k: tuple(v.shape) for k, v in peft_tensors(model).items()}
+            load_peft_tensors(model, seeded_adapters(keys))
+        else:
+            model = get_peft_model(model, peft_config(lora, find_targets(model, lora.targets), "", inference_mode=False))
+            keys = {k.replace(".default", ""): tuple(v.shape) for k, v in model.named_parameters() if "lora_" in k}
+            result = set_peft_model_state_dict(model, seeded_adapters(keys))
+            assert not result.unexpected_keys, result.unexpected_keys[:3]
+            if args.ac == "full":
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.compile_dense and cuda:
+                compile_dense_parts(model.base_model.model)
+        model.train()
+        trained = [q for q in model.parameters() if q.requires_grad]
+        record.update(adapter_params=sum(q.numel() for q in trained), adapter_dtypes=sorted({str(q.dtype) for q in trained}))
+        optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=cuda)
+        generator = torch.Generator().manual_seed(1)
+        steps = [[packed_rows(generator, args.micro_batch, args.seq, config.vocab_size, args.mean_doc) for _ in range(args.grad_accum)]
+                 for _ in range(args.warmup + args.steps)]
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        times, losses, norms = [], [], []
+        for step, micro_batches in enumerate(steps):
+            batches = [collate(rows, 0, device, args.seq, attention) for rows in micro_batches]
+            labels = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            total = 0.0
+            for batch in batches:
+                logits = model(**batch["model_inputs"]).logits
+                loss = causal_lm_loss_sum(logits, batch["labels"]) / labels
+                loss.backward()
+                total += float(loss.detach())
+                del logits, loss
+            norm = clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+            losses.append(total)
+            norms.append(float(norm))
+        step_time = statistics.median(times)
+        record.update(status="ok", step_time_s=step_time, tokens_per_s=args.grad_accum * args.micro_batch * args.seq / step_time,
+                      losses=losses, grad_norms=norms)
+        if cuda:
+            record.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                          peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+    except torch.OutOfMemoryError as e:
+        record.update(status="OOM", error=str(e).splitlines()[0][:200])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
