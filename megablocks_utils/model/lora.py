@@ -173,7 +173,7 @@ def _attach_dense(linear: nn.Linear, lora: LoraSettings, generator: torch.Genera
 def _projection_dims(experts: nn.Module, name: str) -> tuple[int, int]:
     """(in, out) of an expert projection, from its stacked weight's layout."""
     shape = getattr(experts, name).shape
-    return (shape[1], shape[2]) if experts.transposed else (shape[2], shape[1])
+    return (shape[1], shape[2]) if experts.local.transposed else (shape[2], shape[1])
 
 
 def add_lora(model: nn.Module, mesh, lora: LoraSettings, dtype: torch.dtype, seed: int = 0) -> LoraTargets:
@@ -345,7 +345,7 @@ def merge_adapters(model: nn.Module) -> None:
                 adapter = getattr(module.lora, proj)
                 a, b = _ep_local(adapter.lora_A).float(), _ep_local(adapter.lora_B).float()
                 delta = torch.bmm(b, a) * module.lora.scaling  # [El, out, in]
-                _add_experts(getattr(module, proj), delta.transpose(-2, -1) if module.transposed else delta)
+                _add_experts(getattr(module, proj), delta.transpose(-2, -1) if module.local.transposed else delta)
             module.lora = None
 
 
