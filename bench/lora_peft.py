@@ -157,7 +157,11 @@ def main() -> None:
         model.train()
         trained = [q for q in model.parameters() if q.requires_grad]
         record.update(adapter_params=sum(q.numel() for q in trained), adapter_dtypes=sorted({str(q.dtype) for q in trained}))
-        optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=cuda)
+        # One group per kind: a fused step cannot mix DTensors (ours: the expert adapters) and plain tensors.
+        from torch.distributed.tensor import DTensor
+
+        kinds = [[q for q in trained if not isinstance(q, DTensor)], [q for q in trained if isinstance(q, DTensor)]]
+        optimizer = torch.optim.AdamW([{"params": kind} for kind in kinds if kind], lr=1e-4, fused=cuda)
         generator = torch.Generator().manual_seed(1)
         steps = [[packed_rows(generator, args.micro_batch, args.seq, config.vocab_size, args.mean_doc) for _ in range(args.grad_accum)]
                  for _ in range(args.warmup + args.steps)]
