@@ -48,8 +48,11 @@ PARTS = [
 
 
 def part_of(name: str, ancestors: list[str]) -> str:
-    if any(a.startswith("Optimizer.step") or a.startswith("Optimizer.zero_grad") for a in ancestors):
+    # A compiled optimizer's kernel may be recorded outside Optimizer.step; AdamW's moment update is a lerp.
+    if any(a.startswith("Optimizer.step") or a.startswith("Optimizer.zero_grad") for a in ancestors) or "lerp" in name:
         return "optimizer"
+    if any("AccumulateGrad" in a for a in ancestors):
+        return "gradient accumulation (micro-steps)"
     if any(a.startswith("clip_grad") or "clip_grad" in a for a in ancestors):
         return "gradient clip"
     for part, pattern in PARTS:

@@ -359,6 +359,43 @@ def real_data(s: Session) -> str:
     return real_data_table([dict(r, run=r.get("run", r["name"])) for r in s.records])
 
 
+@variant(option("--shape", default="qwen3_30b_a3b"), option("--layers", type=int, default=12),
+         option("--data", default="synthetic,chat", help="synthetic and/or chat: one profile each"),
+         option("--wait", type=int, default=6), option("--active", type=int, default=3))
+def profile(s: Session) -> str:
+    """One GPU: where a steady-state step's GPU time goes, by part (bench/profile_steps.py; read its caveat on host time)."""
+    from profile_steps import render
+
+    a = s.args
+    for data in a.data.split(","):
+        command = [PY, os.path.join("bench", "profile_steps.py"), "--shape", a.shape, "--layers", str(a.layers), "--data", data,
+                   "--wait", str(a.wait), "--active", str(a.active), "--out", s.part]
+        s.run(f"{a.shape}_L{a.layers}_{data}", command, 400)
+    return "\n\n".join(render(r) for r in s.records if r.get("parts_s_per_step"))
+
+
+@variant(option("--layers", type=int, default=48), option("--runs", default="ours:none,peft:full",
+                                                             help="variant:checkpointing pairs (ours: none/full/selective)"),
+         option("--steps", type=int, default=6), option("--warmup", type=int, default=2))
+def lora(s: Session) -> str:
+    """One GPU: LoRA on every expert, ours against transformers + PEFT (target_parameters), Qwen3-30B-A3B's shape
+    (bench/lora_peft.py: the same weights, adapters and packed rows on both sides)."""
+    a = s.args
+    for run in a.runs.split(","):
+        side, ac = run.split(":")
+        s.run(f"{side}_{ac}_L{a.layers}", s.torchrun(os.path.join("bench", "lora_peft.py"), "--variant", side, "--ac", ac,
+                                                     "--layers", str(a.layers), "--grad_accum", "4", "--steps", str(a.steps),
+                                                     "--warmup", str(a.warmup), "--out", s.part, nproc=1), 300)
+    lines = ["| run | status | s/step | tokens/s | peak alloc GiB | first / last loss |", "|---|---|---|---|---|---|"]
+    for r in s.records:
+        if r.get("status") != "ok":
+            lines.append(f"| {r.get('name')} | {r.get('status')} | {str(r.get('error', ''))[:80]} | | | |")
+            continue
+        lines.append(f"| {r['name']} | ok | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['peak_allocated_gib']:.1f} | "
+                     f"{r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
+    return "\n".join(lines)
+
+
 FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_none", "emul16", "hf_emul16")
 
 

@@ -1,4 +1,4 @@
-"""Training data: read a file in any of four record formats, tokenize each with its loss mask, batch by rank.
+"""Training records: read a file in any of four record formats, tokenize each with its loss mask.
 
 Formats, detected from the first record's fields (every record must then have that format's fields):
 
