@@ -12,7 +12,7 @@ class StopSignal:
 
     ``agreed()`` all-reduces a snapshot of the flag and decides on the reduced value alone: a signal that lands
     on one rank between the all-reduce and the decision counts at the next step's end, on every rank. (Reading
-    the flag again after the all-reduce once let one rank stop and save alone while the others went on.)
+    the flag again after the all-reduce would let one rank stop and save alone while the others go on.)
     """
 
     def __init__(self, device: torch.device):
