@@ -99,17 +99,6 @@ class GlobalBatches:
         return mine, total_tokens
 
 
-def _copier(device):
-    """Host tensors to ``device`` without waiting for the GPU: a copy from pageable memory waits until the stream's
-    earlier work is done, so each micro-batch's inputs would drain the queue (the GPU idles while the host builds the
-    next forward). From pinned memory the copy is queued like a kernel; torch's pinned-memory allocator keeps the
-    source alive until the copy has run."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return lambda t: t.to(device)
-    return lambda t: t.pin_memory().to(device, non_blocking=True)
-
-
 def collate(samples: list[dict], pad_token_id: int, device, length: int | None = None, attention: str = "sdpa") -> dict:
     """One micro-batch as tensors, every row ``length`` tokens (the scripts pass max_length; None: the longest sample).
 
@@ -137,7 +126,6 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
     real = torch.zeros((len(samples), length), dtype=torch.long)
     positions = torch.arange(length).repeat(len(samples), 1)  # unpacked: one document, then the padding
     attention_sq = 0 if packed else len(samples) * length**2
-    to_device = _copier(device)
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
         input_ids[i, :n] = torch.tensor(s["input_ids"])
@@ -149,14 +137,14 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
             attention_sq += int((starts.diff() ** 2).sum())
         positions[i, n:] = torch.arange(length - n)  # the padding after the last document is a document of its own
     inputs = {
-        "input_ids": to_device(input_ids),
-        "attention_mask": None if packed else to_device(real),
-        "position_ids": to_device(positions) if packed else None,
+        "input_ids": input_ids.to(device),
+        "attention_mask": None if packed else real.to(device),
+        "position_ids": positions.to(device) if packed else None,
         "use_cache": False,  # with a cache, transformers would not keep packed documents apart
     }
     if attention == "varlen":
         boundaries = varlen_inputs(positions)
-        cu = to_device(boundaries["cu_seq_lens_q"])
+        cu = boundaries["cu_seq_lens_q"].to(device)
         # The number of documents changes from batch to batch: a dynamic size from the first compile on, not a
         # recompile for each new count (torch._dynamo.maybe_mark_dynamic is torch.compile's documented switch).
         torch._dynamo.maybe_mark_dynamic(cu, 0)
@@ -164,8 +152,8 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
     return {
         **{k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")},
         "model_inputs": inputs,
-        "labels": to_device(labels),
-        "real": to_device(real),
+        "labels": labels.to(device),
+        "real": real.to(device),
         "attention_sq": float(attention_sq),
     }
 
