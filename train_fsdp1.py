@@ -292,7 +292,8 @@ with stop_together():
                               eval_split=eval_split, source=model_name_or_path)
     dataset, eval_set = data.train, data.eval
     # The kernel for these rows (megablocks_utils/model/attention.py): auto picks by model, device and whether rows need a mask.
-    attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask)
+    attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask,
+                                                   dtype=torch.bfloat16 if args.bf16 else torch.float32)
     batches = GlobalBatches(dataset, args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size, rank,
                             args.seed, unit="packed rows" if packing else "samples")
 total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * batches.steps_per_epoch)

@@ -239,7 +239,8 @@ with stop_together():
                               eval_split=eval_split, source=model_name_or_path)
     dataset, eval_set = data.train, data.eval
     # The kernel for these rows (megablocks_utils/model/attention.py): auto picks by model, device and whether rows need a mask.
-    attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask)
+    attention, attention_choice = choose_attention(attn_implementation, model_config, device.type, masked=data.needs_mask,
+                                                   dtype=compute_dtype)
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch

@@ -43,6 +43,16 @@ def test_auto_leaves_varlen_for_attention_dropout():
     assert choose_attention("auto", tiny_moe_config("mixtral", attention_dropout=0.1), "cuda")[0] == "flex_attention"
 
 
+def test_fp32_on_a_gpu_gets_no_varlen():
+    """The flash varlen kernel refuses fp32 (found by tests/gpu, 2026-11-24): auto leaves it, an explicit ask is an error."""
+    config = tiny_moe_config("mixtral")
+    assert choose_attention("auto", config, "cuda", dtype=torch.float32)[0] == "flex_attention"
+    assert choose_attention("auto", config, "cuda", masked=False, dtype=torch.float32)[0] == "sdpa"
+    assert choose_attention("auto", config, "cuda", dtype=torch.bfloat16)[0] == "varlen"
+    with pytest.raises(AttentionChoiceError, match="runs in bf16 or fp16, not float32"):
+        choose_attention("varlen", config, "cuda", dtype=torch.float32)
+
+
 @pytest.mark.parametrize("model_type, kernel, device, message", [
     ("mixtral", "varlen", "cpu", "needs a GPU"),
     ("gpt_oss", "varlen", "cuda", "attention sinks are not in the varlen kernel"),

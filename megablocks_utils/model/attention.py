@@ -16,11 +16,13 @@ to mask, and the kernels differ in how they do it:
 
 ``auto`` (the default), on GPU: ``varlen`` where the model allows it (BENCHMARKS.md, "Real data at full speed",
 measured it against ``flex_attention`` and ``sdpa`` on the same rows), else ``flex_attention`` (attention sinks,
-attention dropout), or ``sdpa`` when no row has anything to mask; on CPU, ``sdpa``, or ``eager`` where the model
+attention dropout, fp32 compute), or ``sdpa`` when no row has anything to mask; on CPU, ``sdpa``, or ``eager`` where the model
 needs sinks.
 """
 
 import inspect
+
+import torch
 
 from megablocks_utils.config.inputs import InputError
 
@@ -31,12 +33,14 @@ class AttentionChoiceError(InputError):
     """A kernel asked for that cannot run this model on this device."""
 
 
-def choose_attention(requested: str, config, device_type: str, masked: bool = True) -> tuple[str, str]:
+def choose_attention(requested: str, config, device_type: str, masked: bool = True, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """(kernel, why) for ``requested`` (one of ``KERNELS``) and a model config; an explicit kernel is checked,
     ``auto`` resolved. The model table (``models.spec_for``) knows which models have attention sinks.
 
     ``masked``: whether any row has something to mask (several documents, or padding); the scripts know once
     the data is read (``data.TrainingData.needs_mask``). Full rows of one document each need only the causal mask.
+    ``dtype``: the compute dtype, where known: the varlen (flash) kernel runs only in bf16 and fp16, so fp32 on a GPU
+    gets flex_attention (or sdpa for unmasked rows) from ``auto``, and an explicit ``varlen`` is refused.
     """
     from megablocks_utils.model.architectures import spec_for
 
@@ -49,7 +53,7 @@ def choose_attention(requested: str, config, device_type: str, masked: bool = Tr
             return "sdpa", "auto: sdpa (CPU)"
         if not masked and not sinks:
             return "sdpa", "auto: sdpa (GPU; every row is one whole document: nothing to mask but the causal triangle)"
-        blocker = _varlen_blocker(spec, config)
+        blocker = _varlen_blocker(spec, config, dtype)
         if blocker is None:
             register_varlen()
             return "varlen", "auto: varlen (GPU; each document attends only to itself, no mask to build)"
@@ -64,15 +68,17 @@ def choose_attention(requested: str, config, device_type: str, masked: bool = Tr
         if device_type != "cuda":
             raise AttentionChoiceError("attn_implementation 'varlen' (torch's flash varlen kernel) needs a GPU; on CPU use "
                                        "'auto' or 'sdpa'")
-        blocker = _varlen_blocker(spec, config)
+        blocker = _varlen_blocker(spec, config, dtype)
         if blocker is not None:
             raise AttentionChoiceError(f"{blocker}; set attn_implementation to 'auto' or 'flex_attention'")
         register_varlen()
     return requested, f"{requested} (as set)"
 
 
-def _varlen_blocker(spec, config) -> str | None:
-    """What keeps this model from torch's varlen kernel, or None."""
+def _varlen_blocker(spec, config, dtype: torch.dtype | None = None) -> str | None:
+    """What keeps this model (in compute ``dtype``, where known) from torch's varlen kernel, or None."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"the varlen (flash) kernel runs in bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
     if spec.attention_sinks:
         return f"{spec.model_type}'s attention sinks are not in the varlen kernel"
     if getattr(config, "attention_dropout", 0.0):
