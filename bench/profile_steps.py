@@ -87,6 +87,141 @@ def inner(args, script_args: list[str]) -> None:
     raise SystemExit("train_fsdp2.py ended before the profiled steps; raise its max_steps")
 
 
+def phases(args, script_args: list[str]) -> None:
+    """In the torchrun process, without a profiler: CUDA events and host clocks at each phase boundary of a step
+    (each micro-batch's forward + loss, its backward, the clip, the step's sums and checks, the optimizer, the
+    end-of-step sync). Between two boundaries the GPU time (events) against the host time says which phases keep the
+    GPU waiting; ``lag`` at a boundary is how far the GPU is behind the host there (0: the GPU has caught up and idles)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import megablocks_utils
+    from megablocks_utils.parallel import grads
+    from megablocks_utils.train.step import StepLoss
+
+    marks: list[tuple[str, float, torch.cuda.Event]] = []  # this step's (label, host time, event)
+    steps: list[list[tuple[str, float, float]]] = []  # finished steps: (label, host ms, GPU ms) from the step's first mark
+
+    class HostClock:  # on CPU (a smoke test of this script): the device is the host
+        def __init__(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other) -> float:
+            return (other.t - self.t) * 1e3
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def mark(label: str) -> None:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            event = HostClock()
+        marks.append((label, time.perf_counter(), event))
+
+    forward, check, clip = StepLoss.micro_batch, StepLoss.check, grads.clip_grad_norm_
+
+    hooked = []
+
+    def micro_batch(self, model, batch):
+        if args.layer_marks and not hooked:  # a mark where each decoder layer's forward starts (recomputation included)
+            from megablocks_utils.model.architectures import decoder_layers
+
+            for i, layer in enumerate(decoder_layers(model)):
+                hooked.append(layer.register_forward_pre_hook(lambda *_, i=i: mark(f"  layer {i}")))
+        n = sum(label.startswith("forward") for label, _, _ in marks) + 1
+        mark(f"forward {n} + loss")
+        out = forward(self, model, batch)
+        mark(f"backward {n} (then the next collate)")
+        return out
+
+    def timed_check(self, *a, **k):
+        mark("sums + check (host sync)")
+        result = check(self, *a, **k)
+        mark("optimizer")
+        return result
+
+    def timed_clip(*a, **k):
+        mark("clip")
+        return clip(*a, **k)
+
+    StepLoss.micro_batch, StepLoss.check = micro_batch, timed_check
+    grads.clip_grad_norm_ = megablocks_utils.clip_grad_norm_ = timed_clip
+
+    def step_end(optimizer, *_):
+        mark("the optimizer's GPU tail (a sync)")
+        sync()
+        mark("end")
+        if marks[0][0] != "data + collate":  # the first step: no anchor after a sync
+            marks.clear()
+            mark("data + collate")
+            return
+        start_host, start_event = marks[0][1], marks[0][2]
+        steps.append([(label, (host - start_host) * 1e3, start_event.elapsed_time(event)) for label, host, event in marks])
+        marks.clear()
+        if args.sync_debug and len(steps) == args.wait + args.active - 1:
+            watch_syncs()  # the last measured step: every host sync it makes, and where from
+        mark("data + collate")  # the next step's first mark: the GPU has just synced, so it is idle here
+        if len(steps) == args.wait + args.active:
+            if args.sync_debug:
+                torch.cuda.set_sync_debug_mode(0)
+                print(f"host syncs in one step: {sum(syncs.values())}", flush=True)
+                for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):
+                    print(f"--- {count} x\n{where}", flush=True)
+            report_phases(args, steps[args.wait:])
+            os._exit(0)
+
+    syncs: dict[str, int] = {}
+
+    def watch_syncs() -> None:
+        """torch's sync debug mode warns at each synchronizing CUDA call; count them by the Python stack that made them."""
+        import traceback
+        import warnings
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" not in str(message):
+                return
+            frames = [f for f in traceback.extract_stack()[:-2] if "warnings.py" not in f.filename][-7:]
+            where = "\n".join(f"  {os.path.relpath(f.filename, ROOT) if f.filename.startswith(ROOT) else f.filename}:{f.lineno} "
+                              f"{f.name}: {f.line}" for f in frames)
+            syncs[where] = syncs.get(where, 0) + 1
+
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+
+    register_optimizer_step_post_hook(step_end)
+    sys.argv = [os.path.join(ROOT, "train_fsdp2.py"), *script_args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    raise SystemExit("train_fsdp2.py ended before the measured steps; raise its max_steps")
+
+
+def report_phases(args, steps: list[list[tuple[str, float, float]]]) -> None:
+    """Per phase, the mean over the measured steps: host ms, GPU ms (boundary to boundary), the lag at its end."""
+    import torch
+
+    labels = [label for label, _, _ in steps[0]]
+    rows = []
+    for i in range(len(labels) - 1):
+        host = sum(s[i + 1][1] - s[i][1] for s in steps) / len(steps)
+        gpu = sum(s[i + 1][2] - s[i][2] for s in steps) / len(steps)
+        lag = sum(s[i + 1][2] - s[i + 1][1] for s in steps) / len(steps)
+        rows.append({"phase": labels[i], "host_ms": round(host, 2), "gpu_ms": round(gpu, 2), "lag_at_end_ms": round(lag, 2)})
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    record = {"date": date.today().isoformat(), "device": device, "torch": torch.__version__, "kind": "phases",
+              "shape": args.shape, "layers": args.layers, "data": args.data, "measured_steps": len(steps),
+              "step_ms": [round(s[-1][2], 2) for s in steps], "phases": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    lines = [f"{args.shape} L{args.layers}, {args.data}: step {sum(record['step_ms']) / len(steps):.1f} ms (GPU clock, mean of "
+             f"{len(steps)})", "", "| phase (from its mark to the next) | host ms | GPU ms | GPU behind the host at its end, ms |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['phase']} | {r['host_ms']:.1f} | {r['gpu_ms']:.1f} | {r['lag_at_end_ms']:.1f} |" for r in rows]
+    print("\n".join(lines), flush=True)
+
+
 def report(args, prof, times: list[float]) -> None:
     import torch
 
@@ -150,21 +285,27 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/profile_steps")
     p.add_argument("--out", default="bench/results/profile_steps.jsonl")
     p.add_argument("--trace", default="", help="also write the profiled steps' chrome trace to this file")
+    p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")
+    p.add_argument("--phases", action="store_true", help="no profiler: CUDA events at each phase of the step (host vs GPU time)")
+    p.add_argument("--layer_marks", action="store_true", help="--phases: a mark where each decoder layer's forward starts")
+    p.add_argument("--sync_debug", action="store_true", help="--phases: list the host syncs of the last measured step, by stack")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args, script_args = p.parse_known_args()
     if args.inner:
-        return inner(args, script_args)
+        return (phases if args.phases else inner)(args, script_args)
     from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ, data_file, write_checkpoint
 
-    args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}"
+    args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}{'-shrunk' if args.shrink else ''}"
     os.makedirs(args.work, exist_ok=True)
-    write_checkpoint(args.dir, args.shape, args.layers)
+    write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
     steps = args.wait + 1 + args.active + 2  # one more than profiled: the run stops itself after the profile
     data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps)
     out_dir = os.path.join(args.work, "run")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.abspath(__file__), "--inner",
                "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--wait", str(args.wait),
                "--active", str(args.active), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
+               *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),
+               *(["--sync_debug"] if args.sync_debug else []),
                # train_fsdp2.py's settings: its defaults, the bench batch of bench/real_data.py
                "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", out_dir, "--overwrite_output_dir", "true",
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),

@@ -99,6 +99,17 @@ class GlobalBatches:
         return mine, total_tokens
 
 
+def _copier(device):
+    """Host tensor -> ``device``. To a GPU: through pinned memory, without waiting. A copy from pageable memory makes the
+    host wait for all work queued on the GPU; at each micro-batch that emptied the queue, and the GPU then idled while
+    the host launched the next forward (bench/profile_steps.py --phases). The pinned block is not reused before its
+    copy is done (torch's pinned-memory allocator records the copy's stream)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda t: t.to(device)
+    return lambda t: t.pin_memory().to(device, non_blocking=True)
+
+
 def collate(samples: list[dict], pad_token_id: int, device, length: int | None = None, attention: str = "sdpa") -> dict:
     """One micro-batch as tensors, every row ``length`` tokens (the scripts pass max_length; None: the longest sample).
 
@@ -136,15 +147,16 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
             starts = torch.cat([(positions[i, :n] == 0).nonzero().flatten(), torch.tensor([n])])
             attention_sq += int((starts.diff() ** 2).sum())
         positions[i, n:] = torch.arange(length - n)  # the padding after the last document is a document of its own
+    to_device = _copier(device)
     inputs = {
-        "input_ids": input_ids.to(device),
-        "attention_mask": None if packed else real.to(device),
-        "position_ids": positions.to(device) if packed else None,
+        "input_ids": to_device(input_ids),
+        "attention_mask": None if packed else to_device(real),
+        "position_ids": to_device(positions) if packed else None,
         "use_cache": False,  # with a cache, transformers would not keep packed documents apart
     }
     if attention == "varlen":
         boundaries = varlen_inputs(positions)
-        cu = boundaries["cu_seq_lens_q"].to(device)
+        cu = to_device(boundaries["cu_seq_lens_q"])
         # The number of documents changes from batch to batch: a dynamic size from the first compile on, not a
         # recompile for each new count (torch._dynamo.maybe_mark_dynamic is torch.compile's documented switch).
         torch._dynamo.maybe_mark_dynamic(cu, 0)
@@ -152,8 +164,8 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
     return {
         **{k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")},
         "model_inputs": inputs,
-        "labels": labels.to(device),
-        "real": real.to(device),
+        "labels": to_device(labels),
+        "real": to_device(real),
         "attention_sq": float(attention_sq),
     }
 

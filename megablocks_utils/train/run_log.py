@@ -35,17 +35,26 @@ class StepSums:
 
     def __init__(self, device):
         self.values = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)  # one tensor: one all_reduce
+        self.host = [0.0] * len(self.FIELDS)  # the Python numbers, added to ``values`` once, in ``all_reduce``
         self.tokens_per_expert = 0
 
     def add(self, *, ce_sum, aux, tokens, token_slots, attention_sq, nonfinite, tokens_per_expert=None) -> None:
-        """Add one micro-batch's numbers (tensors or Python numbers; nothing is read back to the host)."""
+        """Add one micro-batch's numbers: tensors (on the device) or Python numbers. Nothing moves between host and
+        device here: a Python number copied to the GPU would wait for all queued work (a host sync per micro-batch,
+        which left the GPU idle while the host launched the next forward; bench/profile_steps.py --phases)."""
         numbers = (ce_sum, aux, tokens, token_slots, attention_sq, nonfinite)
-        self.values += torch.stack([torch.as_tensor(n, device=self.values.device).detach().double() for n in numbers])
+        zero = self.values.new_zeros(())
+        for i, n in enumerate(numbers):
+            if not isinstance(n, torch.Tensor):
+                self.host[i] += float(n)
+        self.values += torch.stack([n.detach().double() if isinstance(n, torch.Tensor) else zero for n in numbers])
         if tokens_per_expert is not None:
             self.tokens_per_expert = self.tokens_per_expert + tokens_per_expert
 
     def all_reduce(self, group=None) -> "StepSums":
         """Collective: sum over the ranks of ``group``; then the totals are readable by name."""
+        self.values += torch.tensor(self.host, dtype=torch.float64).to(self.values.device)
+        self.host = [0.0] * len(self.FIELDS)
         dist.all_reduce(self.values, group=group)
         for name, value in zip(self.FIELDS, self.values.tolist()):
             setattr(self, name, value)
