@@ -8,9 +8,17 @@ The model: ``--model_config``'s config.json (default Qwen3-30B-A3B's, tests/conf
 random bf16 weights from one seed (transformers' init), built on the GPU. The adapters: PEFT's default targets of
 train_fsdp2.py (q/k/v/o and every expert's gate_up_proj and down_proj), rank ``--r``, alpha 2r, fp32 (both), every A
 and B drawn from a seed per PEFT key (B non-zero, so the adapters change the loss): both variants train the same
-function. The rows: ``--micro_batch`` x ``--seq`` tokens, packed documents of random lengths (seeded), through
-data.collate, the attention ``--attn`` for both (default varlen: no mask built). The loss: cross-entropy only (no
-load-balancing loss; the routers are frozen). Optimizer: torch's fused AdamW on the adapters.
+function. The rows (``--data``), the same in both variants: ``--micro_batch`` x ``--seq`` tokens per micro-step, through
+data.collate, the attention ``--attn`` for both (default varlen: no mask built).
+
+- random: packed documents of random lengths (seeded) of random tokens, every token a label (the speed runs).
+- chat, alpaca: the repo's records (data_chat.jsonl, data.json) as train_fsdp2.py reads them (load_training_data with
+  packing, GlobalBatches on one rank, seed 42, labels on the answers only), tokenized by the embedded tiny model's
+  tokenizer (``--tokenizer``, made as train_fsdp2.py makes it when missing; its ids are the first 512 of the model's
+  vocabulary). At seq 4096 the chat records fill 137 rows: 200 steps of one row see each about 1.5 times.
+
+The loss: cross-entropy only (no load-balancing loss; the routers are frozen), the mean over the step's label tokens.
+Optimizer: torch's AdamW (fused on GPUs) on the adapters at a constant ``--lr``, no warm-up, clipping at 1.0.
 
 - ours: ``shard_moe`` (ep 1), ``add_lora``, ``parallelize`` as the script (no FSDP on one GPU; ``--ac``), the adapters
   inside the grouped GEMMs.
@@ -19,7 +27,10 @@ load-balancing loss; the routers are frozen). Optimizer: torch's fused AdamW on 
   transformers' gradient checkpointing (non-reentrant).
 
 Each run appends one JSON record (step time median after ``--warmup``, tokens/s, peak memory, each step's loss and
-gradient norm) to ``--out``; the two variants' losses should agree to bf16 rounding, step by step.
+gradient norm, warm-up steps included) to ``--out``; the two variants' losses should agree to bf16 rounding, step by
+step. How far the loss falls: ``loss_first10_mean`` and ``loss_last10_mean``, the means of the first and last 10
+steps' losses (overlapping below 20 steps), and ``loss_fall``, their difference (``bench/run.py lora --quality``
+compares the two variants').
 """
 
 import argparse
@@ -37,6 +48,8 @@ import torch.distributed as dist
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
+DATA_FILES = {"chat": "data_chat.jsonl", "alpaca": "data.json"}
+SEED = 42  # train_fsdp2.py's default: the rows and their order it would train on
 
 
 def packed_rows(generator: torch.Generator, rows: int, seq: int, vocab: int, mean_doc: int) -> list[dict]:
@@ -51,6 +64,29 @@ def packed_rows(generator: torch.Generator, rows: int, seq: int, vocab: int, mea
             positions += list(range(n))
         out.append({"input_ids": ids, "labels": ids, "position_ids": positions})
     return out
+
+
+def real_steps(kind: str, tokenizer_dir: str, seq: int, micro_batch: int, grad_accum: int, steps: int) -> tuple[list, int, int, int]:
+    """Each step's micro-batches of packed rows of the repo's ``kind`` records, as train_fsdp2.py draws them on one
+    rank; the tokenizer's pad id and vocabulary size; the number of packed rows."""
+    from transformers import AutoTokenizer
+
+    from megablocks_utils.data.batches import GlobalBatches, load_training_data
+    from megablocks_utils.model.tiny import SHIPPED_DATA, make_tiny_mixtral
+
+    if not os.path.isdir(tokenizer_dir):
+        make_tiny_mixtral(tokenizer_dir, SHIPPED_DATA)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = load_training_data(os.path.join(ROOT, DATA_FILES[kind]), tokenizer, seq, packing=True, seed=SEED)
+    batches = GlobalBatches(data.train, micro_batch, grad_accum, 1, 0, SEED, unit="packed rows")
+    rows = [[[data.train[j] for j in m] for m in batches.micro_batches(step)[0]] for step in range(steps)]
+    return rows, tokenizer.pad_token_id, len(tokenizer), len(data.train)
+
+
+def loss_fall(losses: list[float]) -> dict:
+    """How far the loss fell: the means of the first and last 10 steps' losses and their difference."""
+    first, last = statistics.mean(losses[:10]), statistics.mean(losses[-10:])
+    return {"loss_first10_mean": first, "loss_last10_mean": last, "loss_fall": first - last}
 
 
 def seeded_adapters(keys_shapes: dict) -> dict:
@@ -77,6 +113,10 @@ def main() -> None:
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="selective: ours only")
     p.add_argument("--compile_dense", action="store_true", help="torch.compile attention and norms (both variants)")
     p.add_argument("--attn", default="varlen", help="varlen (GPU), sdpa, flex_attention, eager")
+    p.add_argument("--data", choices=["random", *DATA_FILES], default="random", help="random tokens, or the repo's records")
+    p.add_argument("--tokenizer", default=os.path.join(ROOT, "tiny-mixtral"),
+                   help="chat, alpaca: the tokenizer (default the embedded tiny model's, made when missing)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate, constant")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(BENCH, "results", "lora_peft.jsonl"))
@@ -123,9 +163,21 @@ def main() -> None:
     lora = LoraSettings(r=args.r, alpha=2 * args.r, dropout=0.0, targets=parse_targets(DEFAULT_TARGETS))
     record = {"variant": args.variant, "device": torch.cuda.get_device_name() if cuda else "cpu", "model": os.path.basename(args.model_config),
               "layers": args.layers, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "r": args.r,
-              "ac": args.ac, "compile_dense": args.compile_dense, "attention": attention, "date": date.today().isoformat(),
-              "torch": torch.__version__}
+              "ac": args.ac, "compile_dense": args.compile_dense, "attention": attention, "data": args.data, "lr": args.lr,
+              "date": date.today().isoformat(), "torch": torch.__version__}
     try:
+        if args.data == "random":
+            generator = torch.Generator().manual_seed(1)
+            steps = [[packed_rows(generator, args.micro_batch, args.seq, config.vocab_size, args.mean_doc)
+                      for _ in range(args.grad_accum)] for _ in range(args.warmup + args.steps)]
+            pad_id = 0
+        else:
+            steps, pad_id, vocab, rows = real_steps(args.data, args.tokenizer, args.seq, args.micro_batch, args.grad_accum,
+                                                    args.warmup + args.steps)
+            if vocab > config.vocab_size:
+                raise SystemExit(f"error: the tokenizer {args.tokenizer} has {vocab} tokens, more than the model's vocab_size "
+                                 f"{config.vocab_size}; use a model config with at least {vocab}")
+            record.update(data_rows=rows)
         torch.manual_seed(0)
         impl = {"experts_implementation": "grouped_mm"} if args.variant == "peft" and cuda else {}
         with device:
@@ -161,16 +213,13 @@ def main() -> None:
         from torch.distributed.tensor import DTensor
 
         kinds = [[q for q in trained if not isinstance(q, DTensor)], [q for q in trained if isinstance(q, DTensor)]]
-        optimizer = torch.optim.AdamW([{"params": kind} for kind in kinds if kind], lr=1e-4, fused=cuda)
-        generator = torch.Generator().manual_seed(1)
-        steps = [[packed_rows(generator, args.micro_batch, args.seq, config.vocab_size, args.mean_doc) for _ in range(args.grad_accum)]
-                 for _ in range(args.warmup + args.steps)]
+        optimizer = torch.optim.AdamW([{"params": kind} for kind in kinds if kind], lr=args.lr, fused=cuda)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         times, losses, norms = [], [], []
         for step, micro_batches in enumerate(steps):
-            batches = [collate(rows, 0, device, args.seq, attention) for rows in micro_batches]
+            batches = [collate(rows, pad_id, device, args.seq, attention) for rows in micro_batches]
             labels = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
             if cuda:
                 torch.cuda.synchronize()
@@ -191,9 +240,11 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             losses.append(total)
             norms.append(float(norm))
+            if step % 10 == 0 or step == len(steps) - 1:  # progress, in the log a timed-out launch leaves
+                print(f"step {step}: loss {total:.4f}, {time.perf_counter() - start:.3f} s", flush=True)
         step_time = statistics.median(times)
         record.update(status="ok", step_time_s=step_time, tokens_per_s=args.grad_accum * args.micro_batch * args.seq / step_time,
-                      losses=losses, grad_norms=norms)
+                      losses=losses, grad_norms=norms, **loss_fall(losses))
         if cuda:
             record.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                           peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
