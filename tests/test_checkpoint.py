@@ -249,13 +249,9 @@ def test_resume_from_a_checkpoint_with_experts_under_fsdp_at_dp1(tmp_path):
 
 
 def test_adamw_bf16_resumes_with_the_same_losses(tiny_model_dir, tmp_path):
-    """torchao's optimizer (bf16 weights and state, stochastic rounding, a tensor learning rate) resumes
-    from its checkpoint with the uninterrupted run's losses: the first resumed step exactly (weights
-    restored), the next within the stochastic-rounding noise. That noise is not a resume artefact: two
-    uninterrupted runs of this command differ at step 4 too (seen: 1e-6 to 1e-5 relative), since the
-    compiled step draws its rounding noise from an RNG stream that inductor's cache state changes. The
-    bound, 1e-4, is far below what step 3's update itself does to step 4's loss (1.6e-2 relative), so a
-    resume that got the update wrong (moments, learning rate) does not pass."""
+    """adamw_bf16 (bf16 weights and moments, stochastic rounding) resumes from its checkpoint with the uninterrupted
+    run's losses and gradient norms, exactly: the rounding noise comes from torch's CPU generator (adamw_bf16.py), whose
+    state the checkpoint restores, so the resumed run rounds its updates as the uninterrupted one did."""
     args = ["--max_steps", "4", "--save_steps", "2", "--gradient_accumulation_steps", "1", "--warmup_steps", "1",
             "--per_device_train_batch_size", "2", "--optim", "adamw_bf16"]
     full = str(tmp_path / "full")
@@ -266,9 +262,7 @@ def test_adamw_bf16_resumes_with_the_same_losses(tiny_model_dir, tmp_path):
     assert "is not used" not in result.stdout, "the learning rate warning fired for the same learning rate"
     expected, got = losses(full), losses(out)
     assert len(expected) == 4 and [s for s, _, _ in got] == [3, 4], got
-    assert got[0] == expected[2]
-    for (_, loss, norm), (_, loss_ref, norm_ref) in zip(got, expected[2:]):
-        assert abs(loss - loss_ref) <= 1e-4 * loss_ref and abs(norm - norm_ref) <= 1e-3 * norm_ref, (got, expected)
+    assert got == expected[2:]
 
 
 def test_resume_with_packing_changed_warns_and_goes_on(two_rank_run, tiny_model_dir, small_data, tmp_path):

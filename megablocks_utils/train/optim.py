@@ -4,9 +4,10 @@ The names are transformers' ``TrainingArguments.optim`` names. Bytes per paramet
 shard (parameter + gradient + AdamW's two moments):
 
   adamw_torch       fp32 params, fp32 moments: 4 + 4 + 8 = 16 B. torch.optim.AdamW (fused on CUDA).
-  adamw_bf16        bf16 params, bf16 moments: 2 + 2 + 4 = 8 B. torchao's ``_AdamW`` computes the
-                    update in fp32 and rounds it to bf16 stochastically, so updates far below a bf16
-                    ulp still move the weight on average (plain bf16 rounding would drop them).
+  adamw_bf16        bf16 params, bf16 moments: 2 + 2 + 4 = 8 B. ``adamw_bf16.AdamWBF16`` (torchao's
+                    ``_AdamW`` update, one Triton kernel per tensor) computes the update in fp32 and
+                    rounds it to bf16 stochastically, so updates far below a bf16 ulp still move the
+                    weight on average (plain bf16 rounding would drop them).
   adamw_torch_8bit  fp32 params, 8-bit moments: 4 + 4 + 2 + 1/32 = 10.03 B. torchao's ``AdamW8bit``:
                     blockwise-quantised moments (uint8 codes, one fp32 scale per 256 values). Like
                     bitsandbytes, a tensor whose local shard has fewer than 4096 values or a size not
@@ -25,14 +26,15 @@ a ``view_as``, torchao's ``aten.view.default`` handler returns an OptimState8bit
 ``base.view(torch.float32)``, which OptimState8bit does not implement (pytorch/ao PR #4216, open).
 Plain bf16 tensors and fp32 DTensors work.
 
-torchao's optimizers ``torch.compile`` one step function per parameter shape (a C++ compiler on CPU):
-the first step takes seconds to a minute longer; later steps do not. Their ``lr`` is a tensor in each
+torchao's AdamW8bit ``torch.compile``s one step function per parameter shape (a C++ compiler on CPU):
+the first step takes seconds to a minute longer; later steps do not. Its ``lr`` is a tensor in each
 param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors).
 """
 
 import torch
 
 from megablocks_utils.tools.memory import OPTIM_BYTES
+from megablocks_utils.train.adamw_bf16 import AdamWBF16
 
 OPTIMIZERS = ("adamw_torch", "adamw_bf16", "adamw_torch_8bit")
 TORCHAO_VERSION = "0.18.0"  # the version these notes were checked with (CPU: torch 2.13; the GPU wheel is the same)
@@ -130,9 +132,9 @@ def build_optimizer(
         # (bench/reports/parity_throughput_megablocks_h100-h200_2026-11-20-21.md).
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=True if device_type == "cuda" else None)
-    ao = _torchao_optim()
     if optim == "adamw_bf16":
-        return ao._AdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bf16_stochastic_round=True)
+        return AdamWBF16(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    ao = _torchao_optim()
     return ao.AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE_8BIT)
 
 

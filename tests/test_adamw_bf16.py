@@ -1,0 +1,86 @@
+"""adamw_bf16's optimizer (``AdamWBF16``): torchao's update, step for step, and its stochastic rounding unbiased.
+
+The Triton kernel is checked against the same reference on a GPU (tests/gpu/test_optimizers.py)."""
+
+import pytest
+import torch
+
+from megablocks_utils.train.adamw_bf16 import AdamWBF16, _reference_update
+
+
+def _params(seed: int, shapes=((64, 48), (48,), (3, 16, 8))) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).bfloat16()) for s in shapes]
+
+
+def _set_grads(params, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-2).bfloat16()
+
+
+def test_the_update_is_torchaos_without_rounding_noise():
+    """Rounding to nearest (no noise), three steps with weight decay: parameters and both moments equal torchao 0.18's
+    ``_AdamW(bf16_stochastic_round=False)`` in all but a few elements, and those by one bf16 ulp (its compiled
+    lerp may contract a multiply-add differently)."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    ours, theirs = _params(0), _params(0)
+    reference = torchao_optim._AdamW(theirs, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, bf16_stochastic_round=False)
+    state = [{"step": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ours]
+    for step in range(1, 4):
+        _set_grads(ours, step)
+        _set_grads(theirs, step)
+        reference.step()
+        for p, s in zip(ours, state):
+            t = torch.tensor(float(step))
+            _reference_update(p.data, p.grad, s["m"], s["v"], lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                              correction1=float(1 - 0.9**t), correction2_sqrt=float((1 - 0.95**t).sqrt()), seed=0,
+                              stochastic=False)
+    for p, q, s in zip(ours, theirs, state):
+        theirs_state = reference.state[q]
+        for a, b in ((p.data, q.data), (s["m"], theirs_state["exp_avg"]), (s["v"], theirs_state["exp_avg_sq"])):
+            differ = a != b
+            assert differ.float().mean() <= 0.01, (differ.sum(), a.numel())
+            ulp = b[differ].float().abs() * 2**-7
+            assert ((a[differ].float() - b[differ].float()).abs() <= ulp * 1.01).all()
+
+
+def test_stochastic_rounding_is_unbiased_and_moves_tiny_updates():
+    """An update of a quarter of a bf16 ulp: rounding to nearest would drop it, stochastic rounding moves a quarter of
+    the weights by one ulp, so the mean moves by the update (within sampling noise), and every weight stays bf16."""
+    n = 200_000
+    p = torch.full((n,), 1.5, dtype=torch.bfloat16)
+    ulp = 2**-7  # bf16 spacing in [1, 2)
+    grad = torch.full((n,), 1.0, dtype=torch.bfloat16)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    # first step: m = 0.1 g / 0.1, v = 0.05 g^2 / 0.05 -> the step is -lr * 1 / (1 + eps): lr = ulp / 4
+    _reference_update(p, grad, m, v, lr=ulp / 4, beta1=0.9, beta2=0.95, eps=0.0, weight_decay=0.0, correction1=0.1,
+                      correction2_sqrt=0.05**0.5, seed=3)
+    moved = (p != 1.5).float().mean().item()
+    assert abs(moved - 0.25) < 0.01, moved
+    assert abs((p.double().mean().item() - 1.5) + ulp / 4) < 2e-5  # down by ulp/4 in the mean
+    assert p.dtype == torch.bfloat16 and set(p.unique().tolist()) <= {1.5, 1.5 - ulp}
+
+
+def test_the_optimizer_draws_its_noise_from_the_cpu_generator():
+    """Two runs from the same torch.manual_seed give the same weights (the checkpoint saves that generator, so a resumed
+    run rounds as the uninterrupted one); another seed gives other roundings."""
+    def run(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        params = _params(1)
+        opt = AdamWBF16(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        for step in range(3):
+            _set_grads(params, step)
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    a, b, c = run(5), run(5), run(6)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, z) for x, z in zip(a, c))
+
+
+def test_refuses_parameters_that_are_not_bf16():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="bf16 parameters"):
+        AdamWBF16([p]).step()
