@@ -16,8 +16,6 @@ import os
 import sys
 import time
 
-import torch
-
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
@@ -33,6 +31,7 @@ GPT_OSS_20B = dict(
 
 
 def write(args) -> None:
+    import torch
     from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
     from megablocks_utils.model.tiny import DEFAULT_NAME, make_tiny_mixtral

@@ -1,11 +1,13 @@
 """Real data at full speed, on one GPU in one call: ours on synthetic and real records beside transformers' own model.
 
-    python bench/real_data.py --shape qwen3_30b_a3b --layers 12 --out results.jsonl [--runs ours_synthetic,...]
+    python bench/real_data.py --shape qwen3_30b_a3b --layers 12 --out results.jsonl [--runs ours_synthetic,...] [--routing balanced]
 
 ``--shape`` is a published model's shape cut to ``--layers`` decoder layers (random bf16 weights written once to
-``--dir``, the embedded tiny model's tokenizer): ``qwen3_30b_a3b`` (128 experts of 2048 x 768, top-8) or
-``mixtral`` (Mixtral-8x7B's width). Every run trains seq 4096, 1 row x 4 micro-steps per step, ``--warmup`` steps
-then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
+``--dir``, the embedded tiny model's tokenizer): ``qwen3_30b_a3b`` (128 experts of 2048 x 768, top-8),
+``deepseek_v2_lite`` (64 routed experts of 2048 x 1408, top-6, 2 shared, MLA attention, the first layer dense),
+``gpt_oss_20b`` (32 experts of 2880 x 2880, top-4, attention sinks, sliding window on every other layer, vocabulary
+201,088) or ``mixtral`` (Mixtral-8x7B's width). Every run trains ``--seq`` 4096, 1 row x 4 micro-steps per step,
+``--warmup`` steps then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
 
   ours_synthetic   train_fsdp2.py, samples of exactly 4096 tokens (bench_fsdp1's synthetic records: the ceiling)
   ours_alpaca      train_fsdp2.py at its default settings (only --optim adamw_bf16) on data.json (alpaca)
@@ -14,19 +16,30 @@ then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
   ours_chat_varlen the same with --attn_implementation varlen (what auto picks, set explicitly)
   ours_chat_sdpa   the same with --attn_implementation sdpa (the old default)
   ours_chat_expandable  ours_chat with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  hf_sdpa          transformers' own model (no FSDP, no EP: one GPU), trained on ours_chat's packed rows, sdpa
+  hf_synthetic     transformers' own model (no FSDP, no EP: one GPU) on ours_synthetic's rows, sdpa (flex_attention
+                   for a model without sdpa, gpt-oss's sinks; eager on CPU)
+  hf_synthetic_flex  the same with flex_attention
+  hf_sdpa          transformers' own model on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
 
 transformers' side takes exactly the rows ours trains on, step by step (data.load_training_data, GlobalBatches and
-collate with the scripts' settings), bf16 weights and torch's fused AdamW, the mean cross-entropy over the step's
-label tokens, clipping at 1.0; as a user of that model writes the loop (no compile). Each run is a fresh process.
+collate with the scripts' settings), bf16 weights, its grouped_mm experts and torch's fused AdamW, the mean
+cross-entropy over the step's label tokens, clipping at 1.0; as a user of that model writes the loop (no compile).
+Each run is a fresh process.
+
+``--routing`` sets how both sides route (bench/routing_skew.py, the same hooks on transformers' routers and ours):
+``own`` (the random weights' own, nearly even), ``balanced`` (every expert exactly the same share of each
+micro-batch) or ``skew:R`` (the busiest expert R times the mean in every layer, calibrated on each run's first
+micro-batch). Ours runs under bench/with_routing.py, which puts the hooks on the model train_fsdp2.py loads.
 
 Measured per run: the step times of every measured step (``metrics.jsonl`` for ours; CUDA-synchronised for
 transformers), tokens/s = real (not padding) tokens over the summed time of all measured steps, spikes included;
-the median step and the slowest step / median. Ours: the recompile lines TORCH_LOGS printed after the warm-up
-(``recompiles_after_warmup``; each line is tagged with the steps metrics.jsonl held when it was read, so a late
-read can only count a warm-up recompile as later, never hide one). One JSON record per run goes to ``--out``;
-a table is printed at the end.
+the median step and the slowest step / median; TFLOPS per GPU by the training scripts' formula (docs/metrics.md,
+the same for both sides); the routing reached, each layer's busiest expert over the mean per step, averaged over the
+measured steps (ours: metrics.jsonl's expert load; transformers: the routers' choices). Ours: the recompile lines
+TORCH_LOGS printed after the warm-up (``recompiles_after_warmup``; each line is tagged with the steps metrics.jsonl
+held when it was read, so a late read can only count a warm-up recompile as later, never hide one). One JSON record
+per run goes to ``--out``; a table is printed at the end.
 """
 
 import argparse
@@ -45,6 +58,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
+from gpt_oss import GPT_OSS_20B  # noqa: E402  (stdlib only at import: bench/run.py imports this file)
 
 SHAPES = {
     # Qwen3-30B-A3B's config.json (hidden 2048, 48 layers, 128 experts of 768, top-8, 32 q / 4 kv heads of 128).
@@ -53,34 +67,55 @@ SHAPES = {
                                         vocab_size=151936, norm_topk_prob=True, max_position_embeddings=40960,
                                         rms_norm_eps=1e-6, router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[],
                                         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # DeepSeek-V2-Lite's config.json (27 layers, the first dense of 10944; 64 routed experts of 1408, top-6 by softmax,
+    # greedy, 2 shared; MLA: 16 heads, no q low-rank path, kv rank 512, q/k heads of 128 + 64 rope, v heads of 128).
+    "deepseek_v2_lite": ("deepseek_v2", dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                                             n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                                             first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+                                             routed_scaling_factor=1.0, norm_topk_prob=False, num_attention_heads=16,
+                                             num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                                             qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400,
+                                             max_position_embeddings=163840, rms_norm_eps=1e-6, attention_bias=False,
+                                             mlp_bias=False, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale": 0.707,
+                                                              "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                                              "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0})),
+    # gpt-oss-20b's config.json (bench/gpt_oss.py's GPT_OSS_20B); transformers alternates sliding and full layers.
+    "gpt_oss_20b": ("gpt_oss", GPT_OSS_20B),
     # Mixtral-8x7B's width (8 experts of 4096 x 14336, top-2, 32 q / 8 kv heads).
     "mixtral": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
                                 rms_norm_eps=1e-5, router_aux_loss_coef=0.02, tie_word_embeddings=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
+# --shrink (a CPU smoke test): every width tiny, the expert count and top-k kept (so routing behaves as at full size;
+# hidden 256 stays above every shape's expert count, which balanced routing needs).
+SHRINK = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16)
+SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                  kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
-        "hf_sdpa", "hf_flex"]
+        "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
-def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = False) -> None:
-    """Random bf16 weights of ``shape`` with ``layers`` layers in hub layout (save_pretrained), the tiny tokenizer."""
+def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = False) -> float | None:
+    """Random bf16 weights of ``shape`` with ``layers`` layers in hub layout (save_pretrained), the tiny tokenizer.
+    Returns the seconds it took, None when ``directory`` was complete already."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from megablocks_utils.model.tiny import DEFAULT_NAME, make_tiny_mixtral
 
     if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
-        return  # complete: the tokenizer is written last
+        return None  # complete: the tokenizer is written last
     tiny = os.path.join(ROOT, DEFAULT_NAME)
     if not os.path.isdir(tiny):
         make_tiny_mixtral(tiny, os.path.join(ROOT, "data.json"))
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     model_type, values = SHAPES[shape]
     if shrink:
-        values = dict(values, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer))
+        values = dict(values, **(SHRINK_MLA if "kv_lora_rank" in values else SHRINK), vocab_size=len(tokenizer))
     config = AutoConfig.for_model(model_type, **values, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     start = time.perf_counter()
@@ -92,17 +127,23 @@ def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = Fal
     model.save_pretrained(directory, max_shard_size="5GB")
     tokenizer.save_pretrained(directory)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {directory}: {shape}, {layers} layers, {n / 1e9:.2f} B parameters, in {time.perf_counter() - start:.0f} s", flush=True)
+    del model
+    if torch.cuda.is_available():  # else this process keeps the weights' memory cached while the runs train (their GPU)
+        torch.cuda.empty_cache()
+    seconds = time.perf_counter() - start
+    print(f"wrote {directory}: {shape}, {layers} layers, {n / 1e9:.2f} B parameters, in {seconds:.0f} s", flush=True)
+    return seconds
 
 
-def data_file(run: str, work: str, directory: str, steps: int) -> str:
+def data_file(run: str, work: str, directory: str, steps: int, seq: int = SEQ) -> str:
+    """The records a run trains on: synthetic ones of exactly ``seq`` tokens (written to ``work``), or the repo's."""
     if "synthetic" in run:
         from bench_fsdp1 import synthetic_alpaca
         from transformers import AutoTokenizer
 
         path = os.path.join(work, "synthetic.json")
         with open(path, "w") as f:
-            json.dump(synthetic_alpaca(AutoTokenizer.from_pretrained(directory), SEQ, MICRO_BATCH * GRAD_ACCUM * steps,
+            json.dump(synthetic_alpaca(AutoTokenizer.from_pretrained(directory), seq, MICRO_BATCH * GRAD_ACCUM * steps,
                                        os.path.join(ROOT, "data.json")), f)
         return path
     return os.path.join(ROOT, "data.json" if "alpaca" in run else "data_chat.jsonl")
@@ -115,10 +156,13 @@ def ours(run: str, args, work: str) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     extra = {"ours_chat_flex": ["--attn_implementation", "flex_attention"], "ours_chat_varlen": ["--attn_implementation", "varlen"],
              "ours_chat_sdpa": ["--attn_implementation", "sdpa"]}.get(run, [])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp2.py"),
-               "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps), "--output_dir", out_dir,
-               "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH), "--gradient_accumulation_steps",
-               str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps", str(steps), *extra]
+    # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
+    launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", *launcher, os.path.join(ROOT, "train_fsdp2.py"),
+               "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps, args.seq), "--output_dir",
+               out_dir, "--max_length", str(args.seq), "--per_device_train_batch_size", str(MICRO_BATCH),
+               "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps",
+               str(steps), *extra]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
     if run.endswith("_expandable"):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -170,40 +214,72 @@ def ours(run: str, args, work: str) -> dict:
     recompiles = [(n, line) for n, line in log_lines if "Recompiling function" in line]
     late = [line for n, line in recompiles if n >= args.warmup]
     times = [r["step_time_s"] for r in rows]
+    loads = [[most / mean for most, mean in zip(r["tokens_per_expert_max"], r["tokens_per_expert_mean"])] for r in rows]
     record.update(status="ok", recompile_lines=len(recompiles), recompiles_after_warmup=len(late), late_recompiles=late[:5],
-                  **timing(times, [r["tokens"] for r in rows], [r["token_slots"] for r in rows]),
+                  **timing(times, [r["tokens"] for r in rows], [r["token_slots"] for r in rows],
+                           [r["tflops_per_device"] * 1e12 * r["step_time_s"] for r in rows]),
+                  **routing_reached(loads),
                   peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None,
                   alloc_retries=[r.get("alloc_retries") for r in rows])
     return record
 
 
-def timing(times: list[float], tokens: list[int], slots: list[int]) -> dict:
+def timing(times: list[float], tokens: list[int], slots: list[int], flops: list[float]) -> dict:
+    """Step times, tokens/s and TFLOPS over the summed time of every measured step."""
     median = statistics.median(times)
     return {"measured_steps": len(times), "median_step_s": median, "mean_step_s": sum(times) / len(times),
             "max_over_median": max(times) / median, "tokens_per_s": sum(tokens) / sum(times), "token_fill": sum(tokens) / sum(slots),
-            "step_times": [round(t, 4) for t in times]}
+            "tflops": sum(flops) / sum(times) / 1e12, "step_times": [round(t, 4) for t in times]}
+
+
+def routing_reached(per_step: list[list[float]]) -> dict:
+    """``per_step[s][l]``: layer l's busiest expert over the mean in measured step s -> each layer's mean over the
+    steps, and their mean and largest."""
+    layers = [statistics.mean(steps) for steps in zip(*per_step)]
+    if not layers:
+        return {}
+    return {"busiest_over_mean": statistics.mean(layers), "busiest_over_mean_max": max(layers),
+            "busiest_over_mean_per_layer": [round(r, 3) for r in layers]}
+
+
+HF_RUNS = {"hf_synthetic": ("synthetic", None), "hf_synthetic_flex": ("synthetic", "flex_attention"),
+           "hf_sdpa": ("chat", "sdpa"), "hf_flex": ("chat", "flex_attention")}  # run -> (rows, attention; None: sdpa if it has it)
 
 
 def hf(run: str, args) -> dict:
     """transformers' own model on one GPU, trained on the rows ours trains on (in a fresh process)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from routing_skew import RouterCounts, control_routing
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
+    from megablocks_utils.model.architectures import spec_for
     from megablocks_utils.train.loss import causal_lm_loss_sum
+    from megablocks_utils.train.metrics import active_params, flops_per_token
 
-    attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[run]
+    rows, attn = HF_RUNS[run]
+    spec = spec_for(AutoConfig.from_pretrained(args.dir))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # No sdpa (gpt-oss's sinks): flex_attention, or on CPU, where flex has no backward, eager (as ours' auto).
+    attn = attn or ("sdpa" if spec.supports_sdpa else "flex_attention" if device.type == "cuda" else "eager")
+    measured = args.steps if rows == "synthetic" else args.chat_steps
+    path = data_file("hf_synthetic", args.work, args.dir, args.warmup + args.steps, args.seq) if rows == "synthetic" else \
+        os.path.join(ROOT, "data_chat.jsonl")  # synthetic: the very file ours_synthetic trains on
     tokenizer = AutoTokenizer.from_pretrained(args.dir)
-    data = load_training_data(os.path.join(ROOT, "data_chat.jsonl"), tokenizer, SEQ, packing=True, seed=SEED)
+    data = load_training_data(path, tokenizer, args.seq, packing=True, seed=SEED)
     batches = GlobalBatches(data.train, MICRO_BATCH, GRAD_ACCUM, 1, 0, SEED, unit="packed rows")
-    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, attn_implementation=attn).to(device)
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, attn_implementation=attn,
+                                                 experts_implementation="grouped_mm").to(device)
     model.train()
+    config = model.config
+    control_routing(model, args.routing)  # skew: calibrated by the first micro-batch, as ours
+    counts = RouterCounts(model, getattr(config, spec.num_experts_attr))
+    n_active = active_params(model, config, [p for name, p in model.named_parameters() if f".{spec.experts_attr}." in name])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
-    times, tokens, slots = [], [], []
-    for step in range(args.warmup + args.chat_steps):
+    times, tokens, slots, flops, loads = [], [], [], [], []
+    for step in range(args.warmup + measured):
         micro_batches, label_tokens = batches.micro_batches(step)
-        batches_here = [collate([data.train[j] for j in m], tokenizer.pad_token_id, device, SEQ, attn) for m in micro_batches]
+        batches_here = [collate([data.train[j] for j in m], tokenizer.pad_token_id, device, args.seq, attn) for m in micro_batches]
         sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
         sync()
         start = time.perf_counter()
@@ -214,24 +290,31 @@ def hf(run: str, args) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
+        elapsed = time.perf_counter() - start
+        step_loads = counts.take()
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
             tokens.append(sum(int(b["real"].sum()) for b in batches_here))
             slots.append(sum(b["input_ids"].numel() for b in batches_here))
-    return {"run": run, "status": "ok", **timing(times, tokens, slots),
+            flops.append(sum(flops_per_token(n_active, config, b["attention_sq"] / b["input_ids"].numel()) * b["input_ids"].numel()
+                             for b in batches_here))
+            loads.append(step_loads)
+    return {"run": run, "status": "ok", "attention": attn, "experts_implementation": config._experts_implementation,
+            **timing(times, tokens, slots, flops), **routing_reached(loads),
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| run | status | median s/step | tokens/s (all measured steps) | slowest / median | token fill | "
-             "recompiles after warm-up | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | status | median s/step | tokens/s (all measured steps) | TFLOPS | busiest / mean expert | slowest / median | "
+             "token fill | recompiles after warm-up | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("status") != "ok":
-            lines.append(f"| {r['run']} | {r.get('status')} | | | | | | |")
+            lines.append(f"| {r['run']} | {r.get('status')} | | | | | | | | |")
             continue
         peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
-        lines.append(f"| {r['run']} | ok | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['max_over_median']:.2f} | "
-                     f"{r['token_fill']:.3f} | {r.get('recompiles_after_warmup', '')} | {peak} |")
+        load = f"{r['busiest_over_mean']:.2f} (max {r['busiest_over_mean_max']:.2f})" if r.get("busiest_over_mean") else ""
+        lines.append(f"| {r['run']} | ok | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r.get('tflops', 0):.0f} | {load} | "
+                     f"{r['max_over_median']:.2f} | {r['token_fill']:.3f} | {r.get('recompiles_after_warmup', '')} | {peak} |")
     return "\n".join(lines)
 
 
@@ -247,29 +330,42 @@ def main() -> None:
     p.add_argument("--run_timeout", type=float, default=300)
     p.add_argument("--work", default="/tmp/real_data")
     p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)")
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens per row (4096; shorter for a CPU smoke test)")
     p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")
     p.add_argument("--hf_run", default="", help=argparse.SUPPRESS)  # internal: one transformers run in this process
     args = p.parse_args()
     args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}"
+    from routing_skew import parse_routing  # torch: not at this file's import (bench/run.py reads RUNS)
+
+    try:
+        parse_routing(args.routing)
+    except ValueError as e:
+        p.error(str(e))
     if args.hf_run:
         print("RECORD " + json.dumps(hf(args.hf_run, args)), flush=True)
         return
     import torch
 
     os.makedirs(args.work, exist_ok=True)
-    write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
-    common = {"shape": args.shape, "layers": args.layers, "seq": SEQ, "micro_batch": MICRO_BATCH, "grad_accum": GRAD_ACCUM,
-              "warmup": args.warmup, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    written_s = write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
+    common = {"shape": args.shape, "layers": args.layers, "seq": args.seq, "micro_batch": MICRO_BATCH, "grad_accum": GRAD_ACCUM,
+              "warmup": args.warmup, "routing": args.routing, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "date": str(date.today())}
+    if written_s is not None:
+        common["checkpoint_written_s"] = round(written_s, 1)
     records = []
     for run in args.runs.split(","):
         started = time.perf_counter()
         if run.startswith("hf_"):
             print(f"== {time.strftime('%H:%M:%S')} {run}", flush=True)
-            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--hf_run", run], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=args.run_timeout)
-            found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
-            record = json.loads(found[0]) if found else {"run": run, "status": "error", "error": (proc.stderr or proc.stdout)[-800:]}
+            try:
+                proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--hf_run", run], cwd=ROOT, capture_output=True,
+                                      text=True, timeout=args.run_timeout)
+                found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
+                record = json.loads(found[0]) if found else {"run": run, "status": "error", "error": (proc.stderr or proc.stdout)[-800:]}
+            except subprocess.TimeoutExpired:
+                record = {"run": run, "status": "timeout", "error": f"no record within --run_timeout {args.run_timeout:.0f} s"}
         else:
             record = ours(run, args, args.work)
         record = {**common, **record, "wall_s": round(time.perf_counter() - started, 1)}

@@ -14,6 +14,19 @@ the first forward after ``skew_routing`` (the calibration batch, under ``torch.n
 set so that it is ``target``. Each layer is calibrated in turn, after the layers before it are already skewed.
 ``ratios`` holds, per layer, the ratio reached; a layer whose own routing is already more uneven than ``target``
 (small random models' deeper layers can be) keeps it (alpha = 0). ``uniform_ratios``: each layer's own, unskewed.
+The calibration ranks the logits (plus the router's bias, gpt-oss's): exact for top-k of softmax or of logits; a
+router that limits groups (DeepSeek-V3, V2 with group_limited_greedy; not V2-Lite) lands near ``target``, not on it.
+
+``balance_routing(model, num_experts, top_k)`` is the other end: every expert gets exactly ``T * top_k / E`` of a
+micro-batch's ``T`` token copies (busiest / mean = 1). Its pre-hook adds to token t's router input
+``u_t = pinv(W) b_t`` (``W`` [E, H] with E < H has full row rank, so ``W u_t = b_t``): ``b_t`` is ``+C/2`` on the k
+experts the token is dealt and ``-C/2`` on the others, ``C`` 20x the logits' standard deviation on the layer's first
+batch (doubled until the dealt experts are that batch's top-k), so they win the top-k of softmax, sigmoid and raw
+logits alike. Token t is dealt positions ``(t * k + j) mod E`` (j < k) of a per-layer seeded order of the experts;
+with group-limited routing (DeepSeek) the rule runs inside one group per token and the order moves whole groups.
+
+``control_routing(model, "own" | "balanced" | "skew:R")`` applies either from the model's config, the same way to
+transformers' model and to ours; ``RouterCounts`` reads each layer's top-k counts from the routers' own outputs.
 """
 
 import torch
@@ -73,6 +86,8 @@ class RoutingSkew:
         weight = _local(module.weight).detach().float()
         rows = x.detach().reshape(-1, x.shape[-1]).float()
         logits = rows @ weight.T
+        if getattr(module, "bias", None) is not None:  # gpt-oss's router has a learned bias
+            logits = logits + _local(module.bias).detach().float()
         g = self.directions[i].to(logits.device)
         self.uniform_ratios[i] = load_ratio(self._counts(logits))
         low, high = 0.0, float(logits.std()) * 8
@@ -112,3 +127,155 @@ def skew_routing(model: nn.Module, target: float, num_experts: int, top_k: int, 
     Two calibrations of models that differ only by rounding can land on slightly different offsets: the load ratio
     is a step function of alpha, and the bisection stops at whichever step crosses the target."""
     return RoutingSkew(find_routers(model, num_experts), target, top_k, seed, group, offsets)
+
+
+def dealt_experts(tokens: int, num_experts: int, top_k: int, order: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """[tokens, top_k] experts: token t gets positions ``(t * top_k + j) % num_experts`` (j < top_k) of ``order``, k
+    distinct experts, every expert ``tokens * top_k / num_experts`` times where that divides. With expert groups
+    (``num_groups`` > 1, k no more than a group) the same rule runs inside one group per token, the groups in turn, so
+    each token's experts lie in one group."""
+    size = num_experts // num_groups
+    t, j = torch.arange(tokens).unsqueeze(1), torch.arange(top_k)
+    if num_groups == 1 or top_k > size:
+        return order[(t * top_k + j) % num_experts]
+    return order[t % num_groups * size + (t // num_groups * top_k + j) % size]
+
+
+def group_keeping_order(num_experts: int, num_groups: int, generator: torch.Generator) -> torch.Tensor:
+    """A random order of the experts that moves whole groups (and shuffles inside each): consecutive positions of
+    one group stay in one group."""
+    size = num_experts // num_groups
+    groups = torch.randperm(num_groups, generator=generator)
+    inside = torch.stack([torch.randperm(size, generator=generator) for _ in range(num_groups)])
+    return (groups.unsqueeze(1) * size + inside).flatten()
+
+
+class RoutingBalance:
+    """The hooks of ``balance_routing`` and their state. ``scales[i]``: layer i's C (set on its first forward)."""
+
+    def __init__(self, routers: list[nn.Module], top_k: int, seed: int, num_groups: int = 1, topk_groups: int = 1,
+                 scale: float = 20.0):
+        num_experts, hidden = routers[0].weight.shape
+        if num_experts > hidden:
+            raise ValueError(f"{num_experts} experts over a hidden size of {hidden}: the router's logits cannot be moved "
+                             "independently (balanced routing needs fewer experts than hidden units)")
+        if not 1 <= top_k <= num_experts or num_experts % num_groups:
+            raise ValueError(f"top_k={top_k} must be in 1..{num_experts} and num_groups={num_groups} divide {num_experts}")
+        size = num_experts // num_groups
+        if top_k > size:  # more experts than a group holds: dealt across the groups, as many as a block of k touches
+            spans = max(len({(t * top_k + j) % num_experts // size for j in range(top_k)}) for t in range(num_experts))
+            if spans > topk_groups:
+                raise ValueError(f"each token's {top_k} experts would span {spans} of the {num_groups} expert groups, more "
+                                 f"than the {topk_groups} group-limited routing keeps: balanced routing cannot be exact here")
+        self.num_experts, self.top_k, self.num_groups, self.scale = num_experts, top_k, num_groups, scale
+        generator = torch.Generator().manual_seed(seed)
+        self.orders = [group_keeping_order(num_experts, num_groups, generator) for _ in routers]
+        self.scales: list[float | None] = [None] * len(routers)
+        self.offsets: list[torch.Tensor | None] = [None] * len(routers)
+        self.handles = [r.register_forward_pre_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _offsets(self, i: int, module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """[tokens, hidden] u with W u_t = b_t; C doubles until the dealt experts are this batch's top-k (fp32)."""
+        weight = _local(module.weight).detach().float()
+        logits = rows.float() @ weight.T
+        if self.scales[i] is None:
+            self.scales[i] = self.scale * float(logits.std())
+        dealt = dealt_experts(rows.shape[0], self.num_experts, self.top_k, self.orders[i], self.num_groups).to(rows.device)
+        inverse = torch.linalg.pinv(weight).T  # [E, H]: W pinv(W) = I
+        for _ in range(8):
+            c = self.scales[i]
+            u = torch.full_like(logits, -c / 2).scatter_(1, dealt, c / 2) @ inverse
+            chosen = torch.topk(logits + u @ weight.T, self.top_k, dim=-1).indices
+            if torch.equal(chosen.sort(dim=-1).values, dealt.sort(dim=-1).values):
+                return u
+            self.scales[i] = 2 * c
+        raise RuntimeError(f"layer {i}: the dealt experts are not the top-k even with offsets of {c:g}")
+
+    def _hook(self, i: int):
+        def pre_hook(module, args):
+            x = args[0]
+            rows = x.reshape(-1, x.shape[-1])
+            u = self.offsets[i]
+            if u is None or u.shape != rows.shape or u.device != x.device:
+                with torch.no_grad():
+                    u = self.offsets[i] = self._offsets(i, module, rows.detach()).to(x.dtype)
+            return ((rows + u.to(x.dtype)).view(x.shape), *args[1:])  # the router's input only: the experts get x
+
+        return pre_hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def balance_routing(model: nn.Module, num_experts: int, top_k: int, seed: int = 0, num_groups: int = 1,
+                    topk_groups: int = 1) -> RoutingBalance:
+    """Register the hooks that deal every micro-batch's token copies evenly over the experts of every router of
+    ``model``; each layer's offsets are made on its first forward (and again if the token count changes). Exact when
+    ``tokens * top_k`` is a multiple of ``num_experts`` (and, with groups, ``tokens`` of ``num_groups``): 4096 tokens
+    at every shape of bench/real_data.py. ``num_groups``/``topk_groups``: group-limited routing's (DeepSeek's
+    ``n_group``/``topk_group`` where the model limits groups; 1 otherwise)."""
+    return RoutingBalance(find_routers(model, num_experts), top_k, seed, num_groups, topk_groups)
+
+
+class RouterCounts:
+    """Each layer's top-k counts since the last ``take``, read by forward hooks from the routers' own outputs (the
+    chosen experts are the last value a router returns: transformers' routers and our ``TopKRouter`` alike). Summed
+    on the device, so no forward waits for the host."""
+
+    def __init__(self, model: nn.Module, num_experts: int):
+        routers = find_routers(model, num_experts)
+        self.num_experts, self.counts = num_experts, [None] * len(routers)
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _hook(self, i: int):
+        def hook(module, args, out):
+            chosen = out[-1].detach().flatten()
+            ones = torch.ones(chosen.numel(), device=chosen.device)
+            counts = torch.zeros(self.num_experts, device=chosen.device).index_add_(0, chosen, ones)
+            self.counts[i] = counts if self.counts[i] is None else self.counts[i] + counts
+
+        return hook
+
+    def take(self) -> list[float]:
+        """Each layer's busiest expert over the mean since the last call (a host sync), and start again."""
+        ratios = [load_ratio(c) for c in self.counts if c is not None]
+        self.counts = [None] * len(self.counts)
+        return ratios
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+ROUTINGS = "own, balanced or skew:R (R: the busiest expert's load over the mean, e.g. skew:2.38)"
+
+
+def parse_routing(text: str) -> str:
+    """The benchmarks' --routing value, checked: "own", "balanced" or "skew:R" with R >= 1."""
+    if text in ("own", "balanced"):
+        return text
+    if text.startswith("skew:"):
+        try:
+            if float(text[5:]) >= 1:
+                return text
+        except ValueError:
+            pass
+    raise ValueError(f"routing {text!r} is unknown; give {ROUTINGS}")
+
+
+def control_routing(model: nn.Module, routing: str, seed: int = 0) -> RoutingBalance | RoutingSkew | None:
+    """``routing`` (``parse_routing``'s) on every router of ``model``, transformers' or ours (the model table gives
+    the expert count, top-k and groups): "own" leaves it, "balanced" is ``balance_routing``, "skew:R" is
+    ``skew_routing`` (calibrated by the next forward, on every rank)."""
+    from megablocks_utils.model.architectures import spec_for
+
+    routing = parse_routing(routing)
+    spec = spec_for(model.config)
+    num_experts, top_k = getattr(model.config, spec.num_experts_attr), getattr(model.config, spec.top_k_attr)
+    if routing == "own":
+        return None
+    if routing == "balanced":
+        options = spec.router_options(model.config)
+        return balance_routing(model, num_experts, top_k, seed, options.get("num_groups", 1), options.get("topk_groups", 1))
+    return skew_routing(model, float(routing[5:]), num_experts, top_k, seed)

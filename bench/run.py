@@ -339,23 +339,27 @@ def routing_skew(s: Session) -> str:
     return table(s.records, (("routing (busiest/mean)", routing),))
 
 
-@variant(option("--shape", default="qwen3_30b_a3b", help="qwen3_30b_a3b or mixtral"), option("--layers", type=int, default=12),
+@variant(option("--shape", default="qwen3_30b_a3b", help="qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b or mixtral"),
+         option("--layers", type=int, default=12),
          option("--runs", default="", help="real_data.py's runs, comma-separated (default: all)"),
+         option("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)"),
          option("--warmup", type=int, default=4), option("--steps", type=int, default=16), option("--chat_steps", type=int, default=46),
          option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"))
 def real_data(s: Session) -> str:
-    """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows.
+    """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows and routing.
 
-    bench/real_data.py: synthetic full-length rows, real alpaca and chat records, every attention kernel."""
+    bench/real_data.py: synthetic full-length rows, real alpaca and chat records, every attention kernel; --routing
+    balanced or skew:R routes both sides alike."""
     from real_data import RUNS
     from real_data import table as real_data_table
 
     a = s.args
     runs = a.runs or ",".join(RUNS)
     command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--runs", runs,
-               "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps), "--run_timeout",
-               str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else [])]
-    s.run(f"{a.shape}_L{a.layers}", command, a.run_timeout * (len(runs.split(",")) + 1))
+               "--routing", a.routing, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
+               "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else [])]
+    routing = "" if a.routing == "own" else "_" + a.routing.replace(":", "")
+    s.run(f"{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1))
     return real_data_table([dict(r, run=r.get("run", r["name"])) for r in s.records])
 
 

@@ -98,7 +98,7 @@ def test_every_training_batch_has_the_same_shape(tokenizer, packing):
 
 def _documents_alone(query, key, value, cu_seqlens, max_len, scale, window):
     """The varlen kernel's contract on CPU: causal attention within each [cu[i], cu[i+1]) span, nothing across."""
-    assert window == -1
+    assert window == -1 and value.shape[-1] == query.shape[-1]  # flash's varlen kernel takes one head width
     out = torch.empty_like(query)
     for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, tokens, dim]
@@ -106,6 +106,23 @@ def _documents_alone(query, key, value, cu_seqlens, max_len, scale, window):
         v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
         out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
     return out
+
+
+def test_varlen_takes_value_heads_narrower_than_query_heads(monkeypatch):
+    """DeepSeek's MLA (q/k heads 192 wide, v 128): the values are padded to the kernel's one width and the output cut
+    back, the same as attention over each document with the narrow values."""
+    monkeypatch.setattr(attention, "_varlen_kernel", _documents_alone)
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 12, d, generator=g) for d in (24, 24, 16))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+    out, _ = attention.varlen_attention(None, query, key, value, None, scaling=0.3, **varlen_inputs(positions))
+    assert out.shape == (2, 12, 4, 16)
+    for row in range(2):
+        starts = (positions[row] == 0).nonzero().flatten().tolist() + [12]
+        for a, b in zip(starts[:-1], starts[1:]):
+            expected = F.scaled_dot_product_attention(query[row, :, a:b], key[row, :, a:b], value[row, :, a:b], is_causal=True,
+                                                      scale=0.3)
+            torch.testing.assert_close(out[row, a:b], expected.transpose(0, 1))
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex_attention", "varlen"])

@@ -121,9 +121,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                      cu_seq_lens_q=None, max_length_q=None, **kwargs):
     """transformers' attention-function signature over torch's varlen kernel.
 
-    query [B, Hq, L, D], key/value [B, Hkv, L, D] -> ([B, L, Hq, D], None). The B rows are laid end to end and
-    ``cu_seq_lens_q`` (int32, the documents' cumulative lengths over all rows, from ``data.collate``) keeps every
-    document to itself; ``max_length_q`` is the row length, an upper bound on a document's.
+    query [B, Hq, L, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv] with Dv <= D -> ([B, L, Hq, Dv], None). The B
+    rows are laid end to end and ``cu_seq_lens_q`` (int32, the documents' cumulative lengths over all rows, from
+    ``data.collate``) keeps every document to itself; ``max_length_q`` is the row length, an upper bound on a document's.
     """
     if cu_seq_lens_q is None:
         raise ValueError("attn_implementation 'varlen' needs the rows' document boundaries: call the model with "
@@ -133,14 +133,21 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                          "or use 'flex_attention'")
     if kwargs.get("s_aux") is not None:
         raise ValueError("attn_implementation 'varlen' has no attention sinks; use 'flex_attention'")
+    import torch.nn.functional as F
+
     b, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, v_dim = key.shape[1], value.shape[-1]
+    if v_dim > dim:
+        raise ValueError(f"attn_implementation 'varlen' takes value heads no wider than query heads ({v_dim} > {dim}); "
+                         "use 'flex_attention'")
+    if v_dim < dim:  # DeepSeek's MLA (q/k 192, v 128): the kernel takes one width; zero value columns give zero outputs
+        value = F.pad(value, (0, dim - v_dim))
     q = query.transpose(1, 2).reshape(b * length, heads, dim)
     k = key.transpose(1, 2).reshape(b * length, kv_heads, -1)
     v = value.transpose(1, 2).reshape(b * length, kv_heads, -1)
     window = sliding_window - 1 if sliding_window else -1  # transformers' window counts the token itself
     out = _varlen_kernel(q, k, v, cu_seq_lens_q, max_length_q, scaling, window)
-    return out.view(b, length, heads, -1), None
+    return out.view(b, length, heads, dim)[..., :v_dim], None
 
 
 def register_varlen() -> None:
