@@ -53,7 +53,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--variants", default="torchao_sr,torchao_nearest,torch_fused_bf16,torch_fused_fp32,clip")
+    p.add_argument("--variants", default="torchao_sr,adamw_bf16,torch_fused_bf16,clip",
+                   help="torchao_sr / torchao_nearest (torchao's _AdamW), adamw_bf16 (ours: AdamWBF16), torch_fused_bf16, clip")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=os.path.join(BENCH, "results", "optim_step.jsonl"))
@@ -66,7 +67,7 @@ def main() -> None:
     device = torch.device("cuda")
     records = []
     for variant in args.variants.split(","):
-        dtype = torch.float32 if variant.endswith("fp32") else torch.bfloat16
+        dtype = torch.bfloat16
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in sizes]
         for q in params:
@@ -75,7 +76,11 @@ def main() -> None:
             step = lambda: clip_grad_norm_(params, 1.0)  # noqa: E731
             moved = numel * dtype.itemsize * 3  # norm: read; scale: read + write
         else:
-            if variant.startswith("torchao"):
+            if variant == "adamw_bf16":
+                from megablocks_utils.train.optim import build_optimizer
+
+                opt = build_optimizer("adamw_bf16", [{"params": params}], lr=1e-5, betas=(0.9, 0.95), device_type="cuda")
+            elif variant.startswith("torchao"):
                 import torchao.optim
 
                 opt = torchao.optim._AdamW(params, lr=1e-5, betas=(0.9, 0.95), bf16_stochastic_round=variant.endswith("_sr"))
