@@ -14,6 +14,8 @@ then ``--steps`` measured ones. The runs (``--runs``, in this order by default):
   ours_chat_varlen the same with --attn_implementation varlen (what auto picks, set explicitly)
   ours_chat_sdpa   the same with --attn_implementation sdpa (the old default)
   ours_chat_expandable  ours_chat with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  ours_synthetic_full_logits, ours_chat_full_logits  ours_synthetic, ours_chat with --chunked_loss false (the loss from
+                   full logits: the chunked loss's before/after in the same code)
   hf_sdpa          transformers' own model (no FSDP, no EP: one GPU), trained on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
 
@@ -60,7 +62,7 @@ SHAPES = {
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
-        "hf_sdpa", "hf_flex"]
+        "ours_synthetic_full_logits", "ours_chat_full_logits", "hf_sdpa", "hf_flex"]
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
@@ -114,7 +116,8 @@ def ours(run: str, args, work: str) -> dict:
     out_dir = os.path.join(work, run)
     shutil.rmtree(out_dir, ignore_errors=True)
     extra = {"ours_chat_flex": ["--attn_implementation", "flex_attention"], "ours_chat_varlen": ["--attn_implementation", "varlen"],
-             "ours_chat_sdpa": ["--attn_implementation", "sdpa"]}.get(run, [])
+             "ours_chat_sdpa": ["--attn_implementation", "sdpa"], "ours_synthetic_full_logits": ["--chunked_loss", "false"],
+             "ours_chat_full_logits": ["--chunked_loss", "false"]}.get(run, [])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp2.py"),
                "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps), "--output_dir", out_dir,
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH), "--gradient_accumulation_steps",
