@@ -40,6 +40,7 @@ peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, M
 nonfinite = "stop"  # on a NaN/inf loss or gradient norm: "stop" (exit naming the last good checkpoint) or "skip" the step
 max_consecutive_skips = 5  # with nonfinite="skip": stop when one more step would be skipped after this many in a row; 0 = never
 warmup_ratio = 0.0  # linear warmup as a fraction of the total steps; when > 0 it replaces warmup_steps (as train_fsdp2.py)
+chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
 # TrainingArguments defaults of this script (the same run as train_fsdp2.py's defaults); any
 # TrainingArguments flag on the command line overrides them.
 trainer_defaults = dict(
@@ -233,6 +234,7 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     stop_if_save_failed,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
+from megablocks_utils.train.loss import install_loss_head  # noqa: E402
 from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
     NonFiniteStep,
@@ -282,7 +284,8 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        gradient_accumulation_steps=args.gradient_accumulation_steps,
                        activation_checkpointing="full" if args.activation_checkpointing else "none",
                        # Trainer's activation_checkpointing_kwargs {"every_n_layers": n} checkpoints layers 0, n, 2n, ...
-                       activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)))
+                       activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)),
+                       chunked_loss=chunked_loss)
 check_fit(plan, torch.cuda.get_device_properties(device).total_memory if use_cuda else 0)  # too big for the GPU: every rank stops
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
@@ -308,6 +311,11 @@ with stop_together():
     mesh = build_mesh(ep, device.type, None, timeout=args.ddp_timeout_delta, shard_experts=False)
     model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend, attn_implementation=attention)
 config = model.config
+# The loss computed inside lm_head's forward, chunk by chunk (megablocks_utils/train/loss.py), before accelerate wraps
+# the model in FSDP1: "" when installed, else why not.
+loss_note = install_loss_head(model) if chunked_loss else ""
+if master and loss_note:
+    print(loss_note, flush=True)
 aux_coef = spec_for(config).aux_loss_coef(config) if router_aux_loss_coef < 0 else router_aux_loss_coef
 if load_balance_coeff > 0:  # before Trainer wraps the model and loads a checkpoint (megablocks_utils/moe/balance.py)
     add_routing_bias(model)

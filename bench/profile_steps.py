@@ -32,12 +32,13 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
+DENSE_GEMMS, LOSS = "dense GEMMs (projections, lm_head, router)", "loss (log-softmax, nll; chunked: its element-wise steps)"
 # (part, pattern on the launching operator's name); the first match wins, in this order.
 PARTS = [
     ("expert GEMMs (grouped_mm)", r"grouped_mm"),
     ("attention", r"flash|attention|fmha|varlen|flex"),
-    ("dense GEMMs (projections, lm_head, router)", r"^aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)$"),
-    ("loss (log-softmax, nll)", r"log_softmax|nll_loss|cross_entropy"),
+    (DENSE_GEMMS, r"^aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)$"),
+    (LOSS, r"log_softmax|nll_loss|cross_entropy"),
     ("routing (softmax, top-k, sort)", r"softmax|topk|sort|sigmoid|argsort"),
     ("permute / combine (gather, scatter, index)", r"index|gather|scatter|take|put"),
     ("dispatch bookkeeping (counts, cumsum)", r"cumsum|bincount|histc|histogram|arange|repeat_interleave|nonzero|searchsorted|bucketize"),
@@ -55,9 +56,13 @@ def part_of(name: str, ancestors: list[str]) -> str:
         return "gradient accumulation (micro-steps)"
     if any(a.startswith("clip_grad") or "clip_grad" in a for a in ancestors):
         return "gradient clip"
+    # The chunked loss (megablocks_utils/train/loss.py): its GEMMs are lm_head's, the rest is the loss.
+    in_chunked_loss = any(a == "chunked_loss" or "ChunkedLinearCrossEntropy" in a for a in ancestors)
     for part, pattern in PARTS:
         if re.search(pattern, name):
-            return part
+            return LOSS if in_chunked_loss and part != DENSE_GEMMS else part
+    if in_chunked_loss:
+        return LOSS
     return "other elementwise (" + name.removeprefix("aten::")[:40] + ")"
 
 

@@ -344,12 +344,14 @@ def routing_skew(s: Session) -> str:
          option("--runs", default="", help="real_data.py's runs, comma-separated (default: all)"),
          option("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)"),
          option("--warmup", type=int, default=4), option("--steps", type=int, default=16), option("--chat_steps", type=int, default=46),
-         option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"))
+         option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"),
+         option("--base", default="", help="also the same runs at an earlier commit (a copy of it, e.g. git archive C | tar -x -C DIR)"))
 def real_data(s: Session) -> str:
     """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows and routing.
 
     bench/real_data.py: synthetic full-length rows, real alpaca and chat records, every attention kernel; --routing
-    balanced or skew:R routes both sides alike."""
+    balanced or skew:R routes both sides alike; with --base the same runs again with an earlier commit's code (its rows
+    named "base ..."): before/after in one call."""
     from real_data import RUNS
     from real_data import table as real_data_table
 
@@ -360,7 +362,9 @@ def real_data(s: Session) -> str:
                "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else [])]
     routing = "" if a.routing == "own" else "_" + a.routing.replace(":", "")
     s.run(f"{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1))
-    return real_data_table([dict(r, run=r.get("run", r["name"])) for r in s.records])
+    if a.base:  # its own bench/real_data.py and train_fsdp2.py; the same checkpoint (/tmp/<shape>-L<layers>) and rows
+        s.run(f"base_{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1), cwd=os.path.abspath(a.base))
+    return real_data_table([dict(r, run=("base " if r["name"].startswith("base_") else "") + r.get("run", r["name"])) for r in s.records])
 
 
 @variant(option("--shape", default="qwen3_30b_a3b"), option("--layers", type=int, default=12),

@@ -20,6 +20,8 @@ _MODULE_OF = {
     "IGNORE_INDEX": "train.loss",
     "causal_lm_loss_sum": "train.loss",
     "count_label_tokens": "train.loss",
+    "forward_with_loss": "train.loss",
+    "install_loss_head": "train.loss",
     "MoEMesh": "parallel.mesh",
     "build_mesh": "parallel.mesh",
     "MOE_SPECS": "model.architectures",

@@ -37,14 +37,15 @@ def last_rank() -> bool:
 def nan_loss_at(bad_steps: set[int]) -> None:
     import megablocks_utils.train.step as step_module
 
-    micro_batch, loss_sum = step_module.StepLoss.micro_batch, step_module.causal_lm_loss_sum
+    micro_batch, forward_with_loss = step_module.StepLoss.micro_batch, step_module.forward_with_loss
 
-    def nan_loss_sum(logits, labels):
-        return loss_sum(logits, labels) + float("nan")
+    def nan_loss_sum(model, model_inputs, labels):
+        loss_sum, out = forward_with_loss(model, model_inputs, labels)
+        return loss_sum + float("nan"), out
 
     def faulty_micro_batch(self, model, batch):
         if self.step in bad_steps and last_rank():
-            with mock.patch.object(step_module, "causal_lm_loss_sum", nan_loss_sum):
+            with mock.patch.object(step_module, "forward_with_loss", nan_loss_sum):
                 return micro_batch(self, model, batch)
         return micro_batch(self, model, batch)
 

@@ -106,8 +106,27 @@ def test_gathered_weights_and_logits_by_hand():
     # bf16 copies: root (embed 80 + lm_head 80 + norm 8) for the whole step, and two layers (computing +
     # prefetched) of dense weights (240) and this rank's 2 experts (2 * 384)
     assert e.gathered_weights == 2 * (168 + 2 * (240 + 768))
-    # 3 x 5 tokens x vocab 10: bf16 logits, fp32 log-probs, fp32 and bf16 gradients (2 + 4 + 4 + 2 bytes)
-    assert e.logits == 12 * 15 * 10
+    # The chunked loss (the default): one chunk of rows (here all 15 tokens) x vocab 10 of bf16 logits and their bf16
+    # gradient (2 + 2 bytes), and the hidden states' bf16 gradient, 15 tokens x hidden 8
+    assert e.logits == 4 * 15 * 10 + 2 * 15 * 8
+    # Full logits, 3 x 5 tokens x vocab 10: bf16 logits, fp32 log-probs, fp32 and bf16 gradients (2 + 4 + 4 + 2 bytes)
+    assert _tiny(chunked_loss=False).logits == 12 * 15 * 10
+
+
+def test_chunked_loss_holds_one_chunk_of_logits():
+    """A micro-batch longer than a chunk holds one chunk's logits (train/loss.py's loss_chunk_rows), not its own."""
+    from megablocks_utils.train.loss import loss_chunk_rows
+
+    config = memory.load_config(os.path.join(CONFIGS, "qwen3-30b-a3b"))
+    e = estimate_memory(config, world_size=8, max_length=4096, per_device_train_batch_size=1)
+    rows = loss_chunk_rows(4096, config.vocab_size)
+    assert rows == 2048
+    assert e.logits == 4 * rows * config.vocab_size + 2 * 4096 * config.hidden_size
+    full = estimate_memory(config, world_size=8, max_length=4096, per_device_train_batch_size=1, chunked_loss=False)
+    assert full.logits == 12 * 4096 * config.vocab_size and full.total - e.total > 5 * GiB
+    lora_head = estimate_memory(config, world_size=8, max_length=4096, per_device_train_batch_size=1, finetuning="lora",
+                                lora_target_modules="q_proj,lm_head")
+    assert lora_head.logits == full.logits  # an adapter on lm_head keeps the full logits (install_loss_head)
 
 
 @pytest.mark.parametrize("ep", [8, 4, 2])

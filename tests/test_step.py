@@ -1,6 +1,7 @@
 """One optimizer step's loss (megablocks_utils/train/step.py, which both scripts use): over 2 ranks and 2 micro-steps
 its gradients, loss and aux loss are those of one process computing the step from all its rows (the mean over every
-label token of the step, plus coef x the mean of each micro-step's aux loss over its global token set)."""
+label token of the step, plus coef x the mean of each micro-step's aux loss over its global token set), with the loss
+from the full logits and computed inside lm_head in chunks (the scripts' default, train/loss.py)."""
 
 import copy
 
@@ -19,6 +20,7 @@ from megablocks_utils import (
 )
 from megablocks_utils.data.batches import collate
 from megablocks_utils.parallel.parallelize import parallelize, set_gradient_sync
+from megablocks_utils.train.loss import LossHead, install_loss_head
 from megablocks_utils.train.nonfinite import NonFiniteSteps
 from megablocks_utils.train.step import StepLoss
 
@@ -42,7 +44,7 @@ def samples(vocab: int, n: int = 8) -> list[dict]:
     return found
 
 
-def check_step_loss_is_one_process_step(rank, world, ep_size):
+def check_step_loss_is_one_process_step(rank, world, ep_size, chunked):
     config = tiny_mixtral_config()
     coef = spec_for(config).aux_loss_coef(config)
     torch.manual_seed(0)
@@ -62,7 +64,11 @@ def check_step_loss_is_one_process_step(rank, world, ep_size):
     ref_loss.backward()
 
     mesh = build_mesh(ep_size, "cpu")
+    if chunked:  # as the scripts: before FSDP; 5-row chunks, so a rank's 2 x 16 rows end in a short chunk
+        assert install_loss_head(model) == ""
+        model.lm_head.chunk_rows = 5
     parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
+    assert isinstance(model.lm_head, LossHead) == chunked
     step_loss = StepLoss(1, label_tokens, len(micro_steps), aux_coef=coef, group=mesh.world.get_group(), device="cpu")
     for i, rows in enumerate(micro_steps):
         set_gradient_sync(model, mesh, i == len(micro_steps) - 1)
@@ -81,6 +87,7 @@ def check_step_loss_is_one_process_step(rank, world, ep_size):
         assert rel_err(grad, ref_params[name].grad) <= TOL, (name, rel_err(grad, ref_params[name].grad))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked_loss"])
 @pytest.mark.parametrize("ep_size", [1, 2], ids=["dp2", "ep2"])
-def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(ep_size):
-    run_ranks(check_step_loss_is_one_process_step, 2, ep_size)
+def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(ep_size, chunked):
+    run_ranks(check_step_loss_is_one_process_step, 2, ep_size, chunked)

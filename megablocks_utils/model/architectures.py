@@ -92,6 +92,10 @@ class MoESpec:
     # one learned sink logit per head (gpt-oss), and whether transformers has an sdpa kernel for it.
     attention_sinks: bool = False
     supports_sdpa: bool = True
+    # Config field the model divides lm_head's output by before returning it as logits (Granite's logits_scaling).
+    # The loss computed inside lm_head (train/loss.py's LossHead) would be divided too: such a model keeps the
+    # full-logits loss.
+    logits_scaling_attr: str | None = None
 
     def aux_loss_coef(self, config) -> float:
         """The config's load-balancing loss coefficient; 0 for a model trained without one."""
@@ -165,6 +169,7 @@ _GRANITE = dict(
     hub_block_name="block_sparse_moe",
     hub_router="router.layer.weight",
     hub_stacked=("input_linear.weight", "output_linear.weight"),
+    logits_scaling_attr="logits_scaling",
 )
 
 _DEEPSEEK_STYLE = dict(  # DeepSeek-V3 and GLM-4.5 share the MoE block, its names and hub layout

@@ -37,6 +37,7 @@ from megablocks_utils.config.inputs import (
 )
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.lora import DEFAULT_TARGETS
+from megablocks_utils.train.loss import loss_chunk_rows
 
 GiB = 2**30
 
@@ -73,8 +74,14 @@ EXPERT_LOAD_IMBALANCE = 1.25
 # of gate_up [rows, 2I] next to the saved gate_up.
 BACKWARD_WORKING_LAYERS = 0.5
 # Per token per vocabulary entry: bf16 logits (lm_head output, kept by the training loop), the fp32 log-probs
-# cross-entropy saves after its upcast, and their gradient in fp32, then bf16.
+# cross-entropy saves after its upcast, and their gradient in fp32, then bf16 (``chunked_loss`` false, or Granite).
 LOGITS_BYTES = 2 + 4 + 4 + 2
+# The chunked loss (train/loss.py, the default), per vocabulary entry of one chunk of rows (loss_chunk_rows): its
+# bf16 logits and their bf16 gradient (the element-wise step compiled, as compile_dense is on GPUs). Per token: the
+# hidden states' bf16 gradient, made in the forward. lm_head's weight gradient, also made in the forward, is counted
+# in gathered_grads (the root's lm_head term), as before. Not yet checked against a GPU peak (the checks below ran
+# with full logits).
+CHUNKED_LOGITS_BYTES = 2 + 2
 
 # Not visible to torch's allocator counts, or not modelled term by term: CUDA context, NCCL communicators and
 # their buffers, cuBLAS workspaces, compiled kernels (fixed); and the caching allocator's fragmentation
@@ -107,6 +114,7 @@ DEFAULTS = dict(
     lora_r=16,
     lora_dropout=0.0,
     lora_target_modules=DEFAULT_TARGETS,
+    chunked_loss=True,
 )
 
 
@@ -387,6 +395,7 @@ class Plan:
     lora_r: int = 16
     lora_dropout: float = 0.0
     lora_target_modules: str = DEFAULT_TARGETS
+    chunked_loss: bool = True  # the loss inside lm_head's forward, over chunks of rows (train/loss.py)
 
 
 @dataclass
@@ -470,6 +479,7 @@ def estimate_memory(
     lora_r: int = 16,
     lora_dropout: float = 0.0,
     lora_target_modules: str = DEFAULT_TARGETS,
+    chunked_loss: bool = True,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     config = load_config(config_or_dir)
@@ -489,6 +499,7 @@ def estimate_memory(
         lora_r=lora_r,
         lora_dropout=lora_dropout,
         lora_target_modules=lora_target_modules,
+        chunked_loss=chunked_loss,
     )
     return _estimate(config, plan)
 
@@ -553,6 +564,15 @@ def _adapter_activation_bytes(config, lora, tokens: int, mode: str, checkpointed
     return tokens * (kept + recompute)
 
 
+def _logits_bytes(config, plan: Plan, counts, tokens: int) -> float:
+    """The loss's memory: one chunk of logits with the chunked loss (``install_loss_head``'s cases: not for a model
+    that rescales its logits, nor for an lm_head with a LoRA adapter), else every token's full logits."""
+    lm_head_adapter = plan.finetuning == "lora" and "lm_head" in [t.strip() for t in plan.lora_target_modules.split(",")]
+    if plan.chunked_loss and not spec_for(config).logits_scaling_attr and not lm_head_adapter:
+        return CHUNKED_LOGITS_BYTES * loss_chunk_rows(tokens, counts.vocab) * counts.vocab + COMPUTE_BYTES * tokens * counts.hidden
+    return LOGITS_BYTES * tokens * counts.vocab
+
+
 def _estimate(config, plan: Plan) -> MemoryEstimate:
     for name in ("world_size", "dp_replicate", "nproc_per_node", "max_length", "per_device_train_batch_size", "gradient_accumulation_steps"):
         _positive(name, getattr(plan, name))
@@ -613,7 +633,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     activations = activation_bytes(config, tokens, mode, checkpointed)
     if lora is not None:
         activations += _adapter_activation_bytes(config, lora, tokens, mode, checkpointed, plan.lora_dropout)
-    logits = LOGITS_BYTES * tokens * counts.vocab
+    logits = _logits_bytes(config, plan, counts, tokens)
     params, grads, state = param_b * local_params + frozen, grad_b * local_params, state_b * local_params
     during_backward = max(grads, activations + logits + accumulated)
     expert_grads_persist = plan.gradient_accumulation_steps > 1 and (shard or dp == 1)  # reduced at every micro-step
@@ -814,9 +834,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora_r", type=int, default=DEFAULTS["lora_r"])
     parser.add_argument("--lora_dropout", type=float, default=DEFAULTS["lora_dropout"])
     parser.add_argument("--lora_target_modules", default=DEFAULTS["lora_target_modules"], help="PEFT names, comma-separated")
+    parser.add_argument("--chunked_loss", default=str(DEFAULTS["chunked_loss"]).lower(), help="true or false: the loss over chunks of rows")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
+    chunked_loss = parse_bool(args.chunked_loss)
+    if chunked_loss is None:
+        parser.error(f"--chunked_loss expects true or false, got {args.chunked_loss!r}")
     try:
         estimate = estimate_memory(
             args.model_name_or_path,
@@ -835,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_r=args.lora_r,
             lora_dropout=args.lora_dropout,
             lora_target_modules=args.lora_target_modules,
+            chunked_loss=chunked_loss,
         )
     except InputError as e:
         parser.error(str(e))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megablocks_utils.data.batches import collate
 from megablocks_utils.moe.aux_loss import router_stats
-from megablocks_utils.train.loss import IGNORE_INDEX, causal_lm_loss_sum
+from megablocks_utils.train.loss import IGNORE_INDEX, forward_with_loss
 
 
 @torch.no_grad()
@@ -28,10 +28,10 @@ def eval_loss(model, dataset, micro_batch: int, pad_token_id: int, device, group
         filler = {**dataset[0], "labels": [IGNORE_INDEX] * len(dataset[0]["labels"])}
         samples = [dataset[i] for i in mine] + [filler] * (micro_batch - len(mine))
         batch = collate(samples, pad_token_id, device, length, attention)
-        out = model(**batch["model_inputs"])
-        router_stats(model, batch["real"], None)  # drop the routing this forward recorded (no loss uses it)
         labels = batch["labels"]
-        sums += torch.stack([causal_lm_loss_sum(out.logits, labels).double(), (labels[:, 1:] != IGNORE_INDEX).sum().double()])
+        loss_sum, _ = forward_with_loss(model, batch["model_inputs"], labels)
+        router_stats(model, batch["real"], None)  # drop the routing this forward recorded (no loss uses it)
+        sums += torch.stack([loss_sum.double(), (labels[:, 1:] != IGNORE_INDEX).sum().double()])
     dist.all_reduce(sums, group=group)
     model.train(was_training)
     return float(sums[0] / sums[1])

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megablocks_utils.moe.aux_loss import router_stats
-from megablocks_utils.train.loss import causal_lm_loss_sum
+from megablocks_utils.train.loss import forward_with_loss
 from megablocks_utils.train.nonfinite import NonFiniteSteps
 from megablocks_utils.train.run_log import StepSums
 
@@ -44,10 +44,10 @@ class StepLoss:
         self.sums = StepSums(device)
 
     def micro_batch(self, model, batch: dict):
-        """Forward one micro-batch (a ``collate`` dict); returns this rank's loss to backpropagate and the outputs."""
-        out = model(**batch["model_inputs"])
+        """Forward one micro-batch (a ``collate`` dict); returns this rank's loss to backpropagate and the model's output."""
+        # The summed cross-entropy, inside the forward where the model has a LossHead (then out.logits holds it: train/loss.py)
+        ce_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
         stats = router_stats(model, batch["real"], self.group)
-        ce_sum = causal_lm_loss_sum(out.logits, batch["labels"])
         loss = self.world_size * (ce_sum / self.denominator + self.aux_coef * stats.local / self.micro_steps)
         self.sums.add(ce_sum=ce_sum, aux=stats.value.double() / (self.micro_steps * self.world_size), tokens=batch["real"].sum(),
                       token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"],
