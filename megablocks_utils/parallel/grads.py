@@ -68,20 +68,28 @@ def clip_grad_norm_(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     grads = [p.grad for p in parameters if p.grad is not None]
     device = _collective_device(dist.group.WORLD) if world_size > 1 else (grads[0].device if grads else torch.device("cpu"))
-    squared = torch.zeros((), dtype=torch.float32, device=device)
+    # Local shards grouped by (replication, device, dtype): one multi-tensor launch per group, not a few small kernels
+    # per tensor (135 tensors of a 12-layer Qwen3 shape: 23 ms of host time and 26 ms of GPU time per step that way).
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         if local.numel():
-            norm = torch.linalg.vector_norm(local, dtype=torch.float32).to(device)
-            squared = squared + norm.square() / _copies_in_world(g, world_size, sharded_group)
+            groups.setdefault((_copies_in_world(g, world_size, sharded_group), local.device, local.dtype), []).append(local)
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for (copies, _, _), tensors in groups.items():
+        # torch._foreach_norm: the multi-tensor norm torch's own clip_grad_norm_ uses; its dtype argument (fp32 whatever
+        # the gradients' dtype) has no public equivalent (torch.nn.utils.get_total_norm returns the gradients' dtype).
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        squared = squared + torch.stack(norms).square().sum().to(device) / copies
     if world_size > 1:
         dist.all_reduce(squared)
     total = squared.sqrt()
     if max_norm > 0:
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(clip_coef.to(local.device, local.dtype))
+        for (_, local_device, dtype), tensors in groups.items():
+            # torch._foreach_mul_ with a tensor scale: what torch.nn.utils.clip_grads_with_norm_ runs, on the local shards
+            # (that public function takes parameters, and one foreach call cannot mix DTensors of two meshes).
+            torch._foreach_mul_(tensors, clip_coef.to(local_device, dtype))
     return total
 
 
