@@ -71,8 +71,10 @@ def measure(rank, world):
                                for i, name in ((1, "hidden"), (2, "weight"))},
              "peak_gib": {"plain": plain[3], "chunked": ours[3], "chunked_eager": ours_eager[3]}}
 
-    h = hidden.detach().requires_grad_()
-    w = weight.detach().requires_grad_()
+    h = hidden.to(torch.bfloat16).detach().requires_grad_()
+    w = weight.to(torch.bfloat16).detach().requires_grad_()
+    with torch.no_grad():  # compiles the loss-only step first: compiling syncs, a training step does not
+        chunked_loss_sum(h[0], w, targets, chunk_rows, fuse=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
