@@ -32,13 +32,15 @@ def test_ep2_equals_ep1_dp2(tiny_model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def compile_runs(tiny_model_dir, tmp_path_factory) -> dict:
     """compile_dense true and false on one GPU, fp32 and bf16, and bf16 compiled under full activation checkpointing;
-    the five launches together."""
+    the five launches together. The loss from full logits in every run: compile_dense also compiles the chunked loss's
+    element-wise step, whose last-bit differences in fp32 grew to 2.5e-4 over 20 steps (one H200, 2026-11-24); the
+    compiled chunked loss has its own checks (test_chunked_loss.py), this test is about attention and norms."""
     runs = {"fp32_compiled": ("fp32", "true"), "fp32_eager": ("fp32", "false"), "bf16_compiled": ("bf16", "true"),
             "bf16_eager": ("bf16", "false"), "bf16_compiled_ac": ("bf16", "true", "--activation_checkpointing", "full")}
     root = tmp_path_factory.mktemp("compile")
     out = {name: str(root / name) for name in runs}
     launch_together({name: train_fsdp2(1, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, "--dtype", dtype,
-                                       "--compile_dense", compile_dense, *extra)
+                                       "--compile_dense", compile_dense, "--chunked_loss", "false", *extra)
                      for name, (dtype, compile_dense, *extra) in runs.items()})
     return {name: metrics(path) for name, path in out.items()}
 
