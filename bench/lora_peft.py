@@ -100,6 +100,33 @@ def seeded_adapters(keys_shapes: dict) -> dict:
     return state
 
 
+def tally_saved(model, batch: dict, loss_sum, tokens: int) -> dict:
+    """The tensors autograd keeps from one forward for its backward, weights left out, counted once per storage:
+    bytes per token (all layers) and the largest kinds by shape and dtype (where activation memory goes)."""
+    from torch.distributed.tensor import DTensor
+
+    weights = {(q.to_local() if isinstance(q, DTensor) else q).untyped_storage().data_ptr() for q in model.parameters()}
+    seen: dict[int, tuple] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_sum(model(**batch["model_inputs"]).logits, batch["labels"])
+    del loss
+    kinds: dict[tuple, list] = {}
+    for shape, dtype, nbytes in seen.values():
+        kind = kinds.setdefault((shape, dtype), [0, 0])
+        kind[0] += 1
+        kind[1] += nbytes
+    top = sorted(kinds.items(), key=lambda kv: -kv[1][1])[:25]
+    return {"bytes_per_token": sum(n for *_, n in seen.values()) / tokens,
+            "kinds": [{"shape": list(shape), "dtype": dtype, "count": c, "bytes_per_token": n / tokens} for (shape, dtype), (c, n) in top]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=["ours", "peft"], required=True)
@@ -120,6 +147,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(BENCH, "results", "lora_peft.jsonl"))
+    p.add_argument("--tally_saved", action="store_true",
+                   help="instead of training: what one micro-batch's forward saves for the backward, by shape (no weights)")
     args = p.parse_args()
     if args.variant == "peft" and args.ac == "selective":
         p.error("--ac selective is ours only (transformers has no selective checkpointing)")
@@ -217,6 +246,10 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        if args.tally_saved:
+            batch = collate(steps[0][0], pad_id, device, args.seq, attention)
+            record.update(status="ok", saved=tally_saved(model, batch, causal_lm_loss_sum, args.micro_batch * args.seq))
+            steps = []
         times, losses, norms = [], [], []
         for step, micro_batches in enumerate(steps):
             batches = [collate(rows, pad_id, device, args.seq, attention) for rows in micro_batches]
@@ -242,9 +275,10 @@ def main() -> None:
             norms.append(float(norm))
             if step % 10 == 0 or step == len(steps) - 1:  # progress, in the log a timed-out launch leaves
                 print(f"step {step}: loss {total:.4f}, {time.perf_counter() - start:.3f} s", flush=True)
-        step_time = statistics.median(times)
-        record.update(status="ok", step_time_s=step_time, tokens_per_s=args.grad_accum * args.micro_batch * args.seq / step_time,
-                      losses=losses, grad_norms=norms, **loss_fall(losses))
+        if times:  # (none with --tally_saved)
+            step_time = statistics.median(times)
+            record.update(status="ok", step_time_s=step_time, tokens_per_s=args.grad_accum * args.micro_batch * args.seq / step_time,
+                          losses=losses, grad_norms=norms, **loss_fall(losses))
         if cuda:
             record.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                           peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
