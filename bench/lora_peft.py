@@ -100,10 +100,12 @@ def seeded_adapters(keys_shapes: dict) -> dict:
     return state
 
 
-def tally_saved(model, batch: dict, loss_sum, tokens: int) -> dict:
+def tally_saved(model, batch: dict, tokens: int) -> dict:
     """The tensors autograd keeps from one forward for its backward, weights left out, counted once per storage:
     bytes per token (all layers) and the largest kinds by shape and dtype (where activation memory goes)."""
     from torch.distributed.tensor import DTensor
+
+    from megablocks_utils.train.loss import forward_with_loss
 
     weights = {(q.to_local() if isinstance(q, DTensor) else q).untyped_storage().data_ptr() for q in model.parameters()}
     seen: dict[int, tuple] = {}
@@ -115,7 +117,7 @@ def tally_saved(model, batch: dict, loss_sum, tokens: int) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_sum(model(**batch["model_inputs"]).logits, batch["labels"])
+        loss, _ = forward_with_loss(model, batch["model_inputs"], batch["labels"])
     del loss
     kinds: dict[tuple, list] = {}
     for shape, dtype, nbytes in seen.values():
@@ -138,7 +140,16 @@ def main() -> None:
     p.add_argument("--mean_doc", type=int, default=1024, help="mean document length in the packed rows")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="selective: ours only")
-    p.add_argument("--compile_dense", action="store_true", help="torch.compile attention and norms (both variants)")
+    p.add_argument("--ac_layers", type=int, default=-1, help="ours: checkpoint only this many layers (-1: all)")
+    p.add_argument("--checkpoint_experts", action="store_true",
+                   help="ours: recompute the routed experts in every layer --ac leaves out (train_fsdp2.py's checkpoint_experts)")
+    p.add_argument("--compile_dense", choices=["default", "true", "false"], default="default",
+                   help="torch.compile attention and norms; default: each side's own default (ours on, transformers off)")
+    p.add_argument("--loss", choices=["default", "chunked", "full"], default="default",
+                   help="ours: the loss inside lm_head over row chunks (train_fsdp2.py's default) or from full logits; "
+                        "transformers always full logits")
+    p.add_argument("--adapter_dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="ours: bf16 adapters trained by adamw_bf16 (the script's --optim adamw_bf16) instead of fp32 + AdamW")
     p.add_argument("--attn", default="varlen", help="varlen (GPU), sdpa, flex_attention, eager")
     p.add_argument("--data", choices=["random", *DATA_FILES], default="random", help="random tokens, or the repo's records")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "tiny-mixtral"),
@@ -150,15 +161,17 @@ def main() -> None:
     p.add_argument("--tally_saved", action="store_true",
                    help="instead of training: what one micro-batch's forward saves for the backward, by shape (no weights)")
     args = p.parse_args()
-    if args.variant == "peft" and args.ac == "selective":
-        p.error("--ac selective is ours only (transformers has no selective checkpointing)")
+    if args.variant == "peft" and (args.ac == "selective" or args.ac_layers != -1 or args.checkpoint_experts or args.loss == "chunked"
+                                   or args.adapter_dtype != "fp32"):
+        p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked and --adapter_dtype bf16 are ours only")
+    args.compile_dense = args.variant == "ours" if args.compile_dense == "default" else args.compile_dense == "true"
+    chunked = args.variant == "ours" and args.loss != "full"
 
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megablocks_utils import (
         build_mesh,
-        causal_lm_loss_sum,
         compile_dense_parts,
         decoder_layers,
         shard_moe,
@@ -178,6 +191,8 @@ def main() -> None:
     )
     from megablocks_utils.parallel.grads import clip_grad_norm_
     from megablocks_utils.parallel.parallelize import parallelize
+    from megablocks_utils.train.loss import forward_with_loss, install_loss_head
+    from megablocks_utils.train.optim import build_optimizer
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -192,7 +207,8 @@ def main() -> None:
     lora = LoraSettings(r=args.r, alpha=2 * args.r, dropout=0.0, targets=parse_targets(DEFAULT_TARGETS))
     record = {"variant": args.variant, "device": torch.cuda.get_device_name() if cuda else "cpu", "model": os.path.basename(args.model_config),
               "layers": args.layers, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "r": args.r,
-              "ac": args.ac, "compile_dense": args.compile_dense, "attention": attention, "data": args.data, "lr": args.lr,
+              "ac": args.ac, "ac_layers": args.ac_layers, "checkpoint_experts": args.checkpoint_experts, "compile_dense": args.compile_dense, "chunked_loss": chunked,
+              "adapter_dtype": args.adapter_dtype, "attention": attention, "data": args.data, "lr": args.lr,
               "date": date.today().isoformat(), "torch": torch.__version__}
     try:
         if args.data == "random":
@@ -222,8 +238,11 @@ def main() -> None:
                 torch.cuda.empty_cache()
             mesh = build_mesh(1, device.type)
             shard_moe(model, mesh, device=device)
-            add_lora(model, mesh, lora, torch.float32)
-            parallelize(model, mesh, param_dtype=dtype, activation_checkpointing=args.ac, compile_dense=args.compile_dense, device=device)
+            add_lora(model, mesh, lora, torch.bfloat16 if args.adapter_dtype == "bf16" and cuda else torch.float32)
+            if chunked:
+                install_loss_head(model, fuse=args.compile_dense)
+            parallelize(model, mesh, param_dtype=dtype, activation_checkpointing=args.ac, activation_checkpointing_layers=args.ac_layers,
+                        checkpoint_experts=args.checkpoint_experts, compile_dense=args.compile_dense, device=device)
             keys = {k: tuple(v.shape) for k, v in peft_tensors(model).items()}
             load_peft_tensors(model, seeded_adapters(keys))
         else:
@@ -242,13 +261,17 @@ def main() -> None:
         from torch.distributed.tensor import DTensor
 
         kinds = [[q for q in trained if not isinstance(q, DTensor)], [q for q in trained if isinstance(q, DTensor)]]
-        optimizer = torch.optim.AdamW([{"params": kind} for kind in kinds if kind], lr=args.lr, fused=cuda)
+        groups = [{"params": kind} for kind in kinds if kind]
+        if args.adapter_dtype == "bf16" and cuda:
+            optimizer = build_optimizer("adamw_bf16", groups, lr=args.lr, betas=(0.9, 0.999), device_type="cuda")
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=args.lr, fused=cuda)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if args.tally_saved:
             batch = collate(steps[0][0], pad_id, device, args.seq, attention)
-            record.update(status="ok", saved=tally_saved(model, batch, causal_lm_loss_sum, args.micro_batch * args.seq))
+            record.update(status="ok", saved=tally_saved(model, batch, args.micro_batch * args.seq))
             steps = []
         times, losses, norms = [], [], []
         for step, micro_batches in enumerate(steps):
@@ -259,11 +282,11 @@ def main() -> None:
             start = time.perf_counter()
             total = 0.0
             for batch in batches:
-                logits = model(**batch["model_inputs"]).logits
-                loss = causal_lm_loss_sum(logits, batch["labels"]) / labels
+                loss_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
+                loss = loss_sum / labels
                 loss.backward()
                 total += float(loss.detach())
-                del logits, loss
+                del out, loss_sum, loss
             norm = clip_grad_norm_(trained, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

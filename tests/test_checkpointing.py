@@ -1,5 +1,6 @@
-"""Activation checkpointing: "full" and "selective" give the loss and every gradient of no
-checkpointing on an expert-parallel model; "selective" recomputes no GEMM and no all-to-all; a count of
+"""Activation checkpointing: "full", "selective" and the experts' recompute (``checkpoint_experts``) give the
+loss and every gradient of no checkpointing on an expert-parallel model; "selective" recomputes no GEMM and no
+all-to-all; the experts' recompute reruns the expert GEMMs and the layer's all-to-alls and nothing else; a count of
 checkpointed layers recomputes those layers and no others."""
 
 import copy
@@ -39,14 +40,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def train_step(reference, mode, rank, layers=-1):
+def train_step(reference, mode, rank, layers=-1, experts=False):
     """One forward and backward of a fresh ep=2 copy; the backward runs under an op counter."""
     model = copy.deepcopy(reference)
     mesh = shard_moe(model, 2, device="cpu")
-    apply_activation_checkpointing(model, mode, layers)
+    apply_activation_checkpointing(model, mode, layers, experts)
     flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
     chosen = checkpointed_layers(len(flags), layers) if mode != "none" else []
     assert flags == [i in chosen for i in range(len(flags))], (mode, layers, flags)
+    recompute = [block.experts.recompute for block in moe_blocks(model)]
+    assert recompute == [experts and i not in chosen for i in range(len(flags))], (mode, layers, experts, recompute)
     model.train()
     g = torch.Generator().manual_seed(rank)
     input_ids = torch.randint(1, model.config.vocab_size, (2, 10), generator=g)
@@ -74,8 +77,10 @@ def check_modes(rank, world):
     runs = {mode: train_step(reference, mode, rank) for mode in ACTIVATION_CHECKPOINTING}
     runs["full on 1"] = train_step(reference, "full", rank, layers=1)  # the middle layer only
     runs["selective on 2"] = train_step(reference, "selective", rank, layers=2)
+    runs["experts"] = train_step(reference, "none", rank, experts=True)
+    runs["full on 1, experts"] = train_step(reference, "full", rank, layers=1, experts=True)
     loss, grads, none_ops, _ = runs["none"]
-    for mode in ("full", "selective", "full on 1", "selective on 2"):
+    for mode in ("full", "selective", "full on 1", "selective on 2", "experts", "full on 1, experts"):
         mode_loss, mode_grads, _, recorded = runs[mode]
         assert rel_err(mode_loss, loss) <= TOL, (mode, mode_loss, loss)
         assert mode_grads.keys() == grads.keys()
@@ -101,12 +106,21 @@ def check_modes(rank, world):
     assert silu_per_layer > 0
     assert runs["selective on 2"][2].total(aten.silu) == none_ops.total(aten.silu) + 2 * silu_per_layer
     assert runs["selective on 2"][2].total(*MATMULS) == none_ops.total(*MATMULS)
+    # The experts' recompute: each layer's expert GEMMs and its three all-to-alls again, not q/k/v/o or the router.
+    expert_gemms = 2 * (config.num_local_experts // 2)
+    experts_ops = runs["experts"][2]
+    assert experts_ops.total(*MATMULS) == none_ops.total(*MATMULS) + layers * expert_gemms, (experts_ops.counts, none_ops.counts)
+    assert experts_ops.total(a2a) == none_ops.total(a2a) + 3 * layers
+    mixed = runs["full on 1, experts"][2]  # layer 1 whole, layers 0 and 2 their experts
+    assert mixed.total(*MATMULS) == none_ops.total(*MATMULS) + layer_gemms + 2 * expert_gemms
+    assert mixed.total(a2a) == none_ops.total(a2a) + 3 * layers
 
 
 def test_full_and_selective_match_no_checkpointing_on_ep2():
-    """2 gloo ranks, ep=2, fp32: loss and every gradient equal, on all layers and on a count of them;
-    selective replays GEMMs and all-to-alls from the forward, full recomputes each checkpointed layer's
-    GEMMs and all-to-alls once; no router recording."""
+    """2 gloo ranks, ep=2, fp32: loss and every gradient equal, on all layers and on a count of them, and with the
+    experts' recompute alone or beside full layers; selective replays GEMMs and all-to-alls from the forward, full
+    recomputes each checkpointed layer's GEMMs and all-to-alls once, the experts' recompute only the expert GEMMs and
+    the all-to-alls; no router recording."""
     run_ranks(check_modes, 2)
 
 

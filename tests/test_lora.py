@@ -41,17 +41,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def check_matches_peft(rank, world, ep_size, activation_checkpointing, cases):
-    for case in cases:
-        try:
-            check_one(rank, world, ep_size, *case, activation_checkpointing=activation_checkpointing)
-        except AssertionError as e:
-            raise AssertionError(f"{case}: {e}") from e
+def check_matches_peft(rank, world, ep_size, checkpointing, cases):
+    for mode in checkpointing.split(","):
+        for case in cases:
+            try:
+                check_one(rank, world, ep_size, *case, activation_checkpointing=mode)
+            except AssertionError as e:
+                raise AssertionError(f"{mode}, {case}: {e}") from e
 
 
 def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpointing="none"):
     """Our model (EP, FSDP2 as the script applies it, LoRA) against PeftModel on transformers' model, the same
-    random adapters (B too, so that every gradient is non-zero), fp32, the whole batch in one process."""
+    random adapters (B too, so that every gradient is non-zero), fp32, the whole batch in one process.
+    ``activation_checkpointing`` "experts": none, and the routed experts recomputed (checkpoint_experts)."""
     from peft import get_peft_model, get_peft_model_state_dict
     from test_equivalence import make_batch
     from transformers import AutoModelForCausalLM
@@ -87,7 +89,10 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
     mesh = build_mesh(ep_size, "cpu")
     shard_moe(model, mesh, device="cpu")
     found = add_lora(model, mesh, lora, torch.float32)
-    parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing=activation_checkpointing, device="cpu")
+    experts = activation_checkpointing == "experts"
+    parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing="none" if experts else activation_checkpointing,
+                checkpoint_experts=experts, device="cpu")
+    assert any(m.recompute for m in model.modules() if hasattr(m, "recompute")) == experts
 
     reference = get_peft_model(base, peft_config(lora, found, "", inference_mode=False))
     g = torch.Generator().manual_seed(1)
@@ -127,11 +132,13 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
     assert rel_err(merged, ref_out.logits[rows]) <= TOL, ("merged", rel_err(merged, ref_out.logits[rows]))
 
 
-@pytest.mark.parametrize("dp,ep,checkpointing,cases", [(1, 1, "none", CASES), (1, 2, "selective", MESH_CASES), (2, 2, "full", MESH_CASES)],
-                         ids=["one-rank", "ep2-selective", "dp2-ep2-full"])
+@pytest.mark.parametrize("dp,ep,checkpointing,cases", [(1, 1, "none", CASES), (1, 2, "selective,experts", MESH_CASES),
+                                                        (2, 2, "full", MESH_CASES)],
+                         ids=["one-rank", "ep2-selective-experts", "dp2-ep2-full"])
 def test_lora_loss_and_adapter_grads_match_transformers_and_peft(dp, ep, checkpointing, cases):
     """One rank (no FSDP), ep 2 (experts' adapters split over ep, out of FSDP), dp 2 x ep 2 (FSDP shards them over
-    dp too); activation checkpointing recomputes the adapters too. One spawn per mesh runs its cases."""
+    dp too); activation checkpointing (and the experts' recompute alone) recomputes the adapters too. One spawn per
+    mesh runs its cases."""
     run_ranks(check_matches_peft, dp * ep, ep, checkpointing, cases)
 
 

@@ -138,7 +138,7 @@ def parse_activation_checkpointing(value: str | bool) -> str:
     return text
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1, experts: bool = False) -> None:
     """Checkpoint the decoder layers of a transformers model: "none", "full" or "selective", on ``layers``
     of them spread evenly (``memory.checkpointed_layers``; -1: all). The layers left out keep their
     activations and recompute nothing: where memory allows, that buys back speed a layer at a time.
@@ -149,23 +149,32 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
     share, so each layer's ``gradient_checkpointing`` flag (the switch transformers' hook reads) is set
     here. Call it after ``shard_moe`` and before compile and FSDP2. "none" turns an earlier setting off,
     so a model can be switched between modes.
+
+    ``experts`` (the scripts' ``checkpoint_experts``): in every decoder layer this leaves out (all of them under
+    "none"), the routed experts alone are recomputed in the backward (``ExpertParallelExperts.recompute``): their
+    activations are most of a layer's, and their forward a small part of its work.
     """
     mode = parse_activation_checkpointing(mode)
     decoder = decoder_layers(model)
     if layers < -1 or layers > len(decoder):
         raise ValueError(f"activation_checkpointing_layers={layers}: give 0..{len(decoder)} decoder layers, or -1 for all")
-    if mode == "none" or layers == 0:
+    from megablocks_utils.moe.layer import (  # here: the scripts parse the setting before transformers loads
+        ExpertParallelExperts,
+        ExpertParallelMoE,
+    )
+
+    chosen = set() if mode == "none" or layers == 0 else set(checkpointed_layers(len(decoder), layers))
+    for index, layer in enumerate(decoder):
+        for module in layer.modules():
+            if isinstance(module, ExpertParallelExperts):
+                module.recompute = experts and index not in chosen
+    if not chosen:
         if model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
         return
-    from megablocks_utils.moe.layer import (
-        ExpertParallelMoE,  # here: the scripts parse the setting before transformers loads
-    )
-
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     context_fn = functools.partial(_contexts, blocks, mode == "selective")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
-    chosen = set(checkpointed_layers(len(decoder), layers))
     for index, layer in enumerate(decoder):
         layer.gradient_checkpointing = index in chosen
 

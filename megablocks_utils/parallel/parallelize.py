@@ -46,6 +46,7 @@ def parallelize(
     param_dtype: torch.dtype = torch.bfloat16,
     activation_checkpointing: str = "none",
     activation_checkpointing_layers: int = -1,
+    checkpoint_experts: bool = False,
     compile_dense: bool = False,
     fsdp: bool = True,
     reshard_after_forward: bool = True,
@@ -63,7 +64,7 @@ def parallelize(
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
         shard_moe(model, mesh, device=device)
-    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_layers)  # 2.
+    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_layers, checkpoint_experts)  # 2.
     compiled = 0
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)

@@ -115,6 +115,7 @@ DEFAULTS = dict(
     lora_dropout=0.0,
     lora_target_modules=DEFAULT_TARGETS,
     chunked_loss=True,
+    checkpoint_experts=False,
 )
 
 
@@ -316,9 +317,19 @@ def count_params(config) -> ParamCounts:
 
 
 # ----------------------------------------------------------------------------- activations
+def _expert_activation_bytes(s: _Shape) -> float:
+    """Bytes per token a MoE layer's routed experts save for their backward: the k routed copies of the input, gate_up's
+    output, the SwiGLU output, and the k outputs the weighted sum keeps (what ``checkpoint_experts`` recomputes)."""
+    h, k = s.hidden, s.top_k
+    rows_in, gate_up, swiglu = ACT * k * h, ACT * k * 2 * s.expert_inter, ACT * k * s.expert_inter
+    back_home = ACT * k * h  # expert outputs returned by the all-to-all, saved by the weighted sum
+    return EXPERT_LOAD_IMBALANCE * (rows_in + gate_up + swiglu) + back_home
+
+
 def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
     """Bytes one token's activations in one decoder layer hold until its backward ("none": what autograd
-    saves; "selective": matmul, grouped-GEMM, communication and attention outputs; "full": the layer input)."""
+    saves; "selective": matmul, grouped-GEMM, communication and attention outputs; "full": the layer input;
+    "experts": "none" less the routed experts', which are recomputed)."""
     h, k = s.hidden, s.top_k
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     if mode == "full":
@@ -327,17 +338,17 @@ def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
     sdpa = ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads  # q, k, v (after rotary), output, logsumexp
     if moe:
         router = ROUTER_PROB * s.num_experts + ROUTED_COPY_INDEX * k
-        rows_in, gate_up, swiglu = ACT * k * h, ACT * k * 2 * s.expert_inter, ACT * k * s.expert_inter
+        rows_in, gate_up = ACT * k * h, ACT * k * 2 * s.expert_inter
         back_home = ACT * k * h  # expert outputs returned by the all-to-all, saved by the weighted sum
         mlp_inter = s.shared_inter
         gate = ACT * (h + 1) if s.shared_gate else 0  # sigmoid(gate) * shared: the shared output and the gate
     else:
-        router = rows_in = gate_up = swiglu = back_home = gate = 0
+        router = rows_in = gate_up = back_home = gate = 0
         mlp_inter = s.dense_inter
-    if mode == "none":
+    if mode in ("none", "experts"):
         norms = 2 * (NORM_SAVED * h + NORM_ROW + ACT * h)  # each norm's input and its output (the next matmul's input)
         attention = NORM_SAVED * qk_norm_elems + sdpa + ACT * q  # + o_proj's input (the output made contiguous)
-        experts = EXPERT_LOAD_IMBALANCE * (rows_in + gate_up + swiglu) + back_home
+        experts = _expert_activation_bytes(s) if moe and mode == "none" else 0.0
         mlp = ACT * 4 * mlp_inter + gate  # gate and up outputs, silu(gate), their product
         return norms + attention + router + experts + mlp
     # selective: element-wise work (norms, rotary, SwiGLU, residual adds, weighting) is recomputed
@@ -357,13 +368,15 @@ def _uncheckpointed_moe_layers(config, mode: str, checkpointed: int) -> int:
     return sum(1 for i in range(s.layers) if i in s.moe_layers and i not in chosen)
 
 
-def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1) -> float:
+def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1, experts: bool = False) -> float:
     """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart), with
-    ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest."""
+    ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest, the rest's
+    routed experts recomputed with ``experts`` (``checkpoint_experts``)."""
     s = _shape(config)
     is_moe = [i in s.moe_layers for i in range(s.layers)]
     chosen = _checkpointed(s, mode, checkpointed)
-    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else "none") for i, moe in enumerate(is_moe))
+    rest = "experts" if experts else "none"
+    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else rest) for i, moe in enumerate(is_moe))
     full_layer = max(_layer_activation_bytes(s, moe, "none") for moe in set(is_moe))
     recompute = 0.0  # the layer whose backward runs, recomputed to its "none" activations
     recomputed = {is_moe[i] for i in chosen}
@@ -371,6 +384,8 @@ def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1) -> 
         recompute = max(_layer_activation_bytes(s, moe, "none") for moe in recomputed)
     elif mode == "selective" and recomputed:
         recompute = max(_layer_activation_bytes(s, moe, "none") - _layer_activation_bytes(s, moe, "selective") for moe in recomputed)
+    if experts and any(moe and i not in chosen for i, moe in enumerate(is_moe)):  # one layer's experts, recomputed
+        recompute = max(recompute, _expert_activation_bytes(s))
     final_norm = NORM_SAVED * s.hidden + NORM_ROW + ACT * s.hidden  # and its output, lm_head's input
     return tokens * (kept + recompute + BACKWARD_WORKING_LAYERS * full_layer + final_norm)
 
@@ -396,6 +411,7 @@ class Plan:
     lora_dropout: float = 0.0
     lora_target_modules: str = DEFAULT_TARGETS
     chunked_loss: bool = True  # the loss inside lm_head's forward, over chunks of rows (train/loss.py)
+    checkpoint_experts: bool = False  # the routed experts of layers not checkpointed are recomputed
 
 
 @dataclass
@@ -480,6 +496,7 @@ def estimate_memory(
     lora_dropout: float = 0.0,
     lora_target_modules: str = DEFAULT_TARGETS,
     chunked_loss: bool = True,
+    checkpoint_experts: bool = False,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     config = load_config(config_or_dir)
@@ -500,6 +517,7 @@ def estimate_memory(
         lora_dropout=lora_dropout,
         lora_target_modules=lora_target_modules,
         chunked_loss=chunked_loss,
+        checkpoint_experts=checkpoint_experts,
     )
     return _estimate(config, plan)
 
@@ -540,11 +558,11 @@ def _adapters(config, plan: Plan):
     return adapter_counts(config, plan.lora_target_modules, plan.lora_r)
 
 
-def _adapter_activation_bytes(config, lora, tokens: int, mode: str, checkpointed: int, dropout: float) -> float:
+def _adapter_activation_bytes(config, lora, tokens: int, mode: str, checkpointed: int, dropout: float, experts: bool = False) -> float:
     """What the adapters add to the activations: per adapted projection and token (copy, for experts) the [., r]
     product that B's GEMM saves; with dropout the dropped input and its mask; under "selective" also B's output (a
     GEMM output, kept like the base projection's). Checkpointed ("full") layers keep nothing of it, the one being
-    recomputed everything."""
+    recomputed everything; with ``experts`` (``checkpoint_experts``) the other layers keep their dense adapters' only."""
     s = _shape(config)
     chosen = _checkpointed(s, mode, checkpointed)
 
@@ -552,6 +570,8 @@ def _adapter_activation_bytes(config, lora, tokens: int, mode: str, checkpointed
         dense_r, dense_in, dense_out, expert_r, expert_in, expert_out = row
         if layer_mode == "full":
             return 0.0
+        if layer_mode == "experts":
+            expert_r = expert_in = expert_out = 0
         per_copy = ACT * (dense_r + EXPERT_LOAD_IMBALANCE * s.top_k * expert_r)
         if dropout > 0:
             per_copy += (ACT + 1) * (dense_in + EXPERT_LOAD_IMBALANCE * s.top_k * expert_in)
@@ -559,7 +579,7 @@ def _adapter_activation_bytes(config, lora, tokens: int, mode: str, checkpointed
             per_copy += ACT * (dense_out + EXPERT_LOAD_IMBALANCE * s.top_k * expert_out)
         return per_copy
 
-    kept = sum(layer(row, mode if i in chosen else "none") for i, row in enumerate(lora.layers))
+    kept = sum(layer(row, mode if i in chosen else ("experts" if experts else "none")) for i, row in enumerate(lora.layers))
     recompute = max((layer(lora.layers[i], "none") for i in chosen), default=0.0) if mode != "none" else 0.0
     return tokens * (kept + recompute)
 
@@ -630,9 +650,9 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         accumulated = ACCUMULATED_GRAD_BYTES * (trained.dense + (trained.expert / ep if replicated else 0))
 
     tokens = plan.per_device_train_batch_size * plan.max_length
-    activations = activation_bytes(config, tokens, mode, checkpointed)
+    activations = activation_bytes(config, tokens, mode, checkpointed, plan.checkpoint_experts)
     if lora is not None:
-        activations += _adapter_activation_bytes(config, lora, tokens, mode, checkpointed, plan.lora_dropout)
+        activations += _adapter_activation_bytes(config, lora, tokens, mode, checkpointed, plan.lora_dropout, plan.checkpoint_experts)
     logits = _logits_bytes(config, plan, counts, tokens)
     params, grads, state = param_b * local_params + frozen, grad_b * local_params, state_b * local_params
     during_backward = max(grads, activations + logits + accumulated)
@@ -835,12 +855,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora_dropout", type=float, default=DEFAULTS["lora_dropout"])
     parser.add_argument("--lora_target_modules", default=DEFAULTS["lora_target_modules"], help="PEFT names, comma-separated")
     parser.add_argument("--chunked_loss", default=str(DEFAULTS["chunked_loss"]).lower(), help="true or false: the loss over chunks of rows")
+    parser.add_argument("--checkpoint_experts", default=str(DEFAULTS["checkpoint_experts"]).lower(),
+                        help="true or false: recompute the routed experts of the layers not checkpointed")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
-    chunked_loss = parse_bool(args.chunked_loss)
+    chunked_loss, checkpoint_experts = parse_bool(args.chunked_loss), parse_bool(args.checkpoint_experts)
     if chunked_loss is None:
         parser.error(f"--chunked_loss expects true or false, got {args.chunked_loss!r}")
+    if checkpoint_experts is None:
+        parser.error(f"--checkpoint_experts expects true or false, got {args.checkpoint_experts!r}")
     try:
         estimate = estimate_memory(
             args.model_name_or_path,
@@ -860,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_dropout=args.lora_dropout,
             lora_target_modules=args.lora_target_modules,
             chunked_loss=chunked_loss,
+            checkpoint_experts=checkpoint_experts,
         )
     except InputError as e:
         parser.error(str(e))
