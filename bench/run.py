@@ -386,11 +386,28 @@ def profile(s: Session) -> str:
 # of 4), for --dry_run's estimate; ours with checkpointing is not yet measured: a guess (a recomputed forward, a third
 # of the step's work without one). A model's build and start are guessed at 80 s at 48 layers.
 LORA_MICRO_STEP_S = {"ours:none": 0.47, "ours:selective": 0.55, "ours:full": 0.63, "peft:full": 1.05}
+# A run's checkpointing may carry ours' options, joined by "+": "experts" (--checkpoint_experts), "bf16"
+# (--adapter_dtype bf16: bf16 adapters trained by adamw_bf16), "L<n>" (--ac_layers n). E.g. ours:none+experts+bf16.
+LORA_OPTIONS = {"experts": ["--checkpoint_experts"], "bf16": ["--adapter_dtype", "bf16"]}
+
+
+def lora_options(mods: list[str]) -> list[str]:
+    """bench/lora_peft.py's flags for a run's "+" options (LORA_OPTIONS)."""
+    flags = []
+    for mod in mods:
+        if mod in LORA_OPTIONS:
+            flags += LORA_OPTIONS[mod]
+        elif mod[:1] == "L" and mod[1:].isdigit():
+            flags += ["--ac_layers", mod[1:]]
+        else:
+            raise SystemExit(f"error: unknown LoRA run option {mod!r}; use {', '.join(LORA_OPTIONS)} or L<layers>")
+    return flags
 LORA_BUILD_S = 80
 
 
 @variant(option("--layers", type=int, default=48), option("--runs", default="ours:none,peft:full",
-                                                             help="variant:checkpointing pairs (ours: none/full/selective)"),
+                                                             help="variant:checkpointing pairs (ours: none/full/selective, "
+                                                                  "with +experts, +bf16, +L<n>: LORA_OPTIONS)"),
          option("--quality", action="store_true", help="the loss over 200 steps of real records: ours' fall against PEFT's"),
          option("--data", default="", help="random, chat or alpaca (default random; --quality: chat)"),
          option("--steps", type=int, default=0, help="measured steps (default 6; --quality: 200)"),
@@ -413,11 +430,12 @@ def lora(s: Session) -> str:
     micro_steps = (warmup + steps) * grad_accum * a.micro_batch * a.seq / 4096
     total = 0.0
     for run in a.runs.split(","):
-        side, ac = run.split(":")
-        estimate = (LORA_BUILD_S + micro_steps * LORA_MICRO_STEP_S.get(run, 1.05)) * a.layers / 48
+        side, checkpointing = run.split(":")
+        ac, *mods = checkpointing.split("+")
+        estimate = (LORA_BUILD_S + micro_steps * LORA_MICRO_STEP_S.get(f"{side}:{ac}", 1.05)) * a.layers / 48
         total += estimate
-        name = f"{side}_{ac}" + (f"_{data}" if data != "random" else "") + f"_L{a.layers}"
-        command = s.torchrun(os.path.join("bench", "lora_peft.py"), "--variant", side, "--ac", ac, "--layers", str(a.layers),
+        name = f"{side}_{'_'.join([ac, *mods])}" + (f"_{data}" if data != "random" else "") + f"_L{a.layers}"
+        command = s.torchrun(os.path.join("bench", "lora_peft.py"), "--variant", side, "--ac", ac, *lora_options(mods), "--layers", str(a.layers),
                              "--seq", str(a.seq), "--micro_batch", str(a.micro_batch), "--grad_accum", str(grad_accum),
                              "--steps", str(steps), "--warmup", str(warmup), "--data", data, "--lr", str(a.lr), "--out", s.part,
                              nproc=1)
