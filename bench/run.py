@@ -564,16 +564,17 @@ def fsdp1(s: Session) -> str:
 
 
 @variant(option("--rows", type=int, default=16384), option("--rows_per_expert", type=int, default=8192),
-         option("--pieces", default="swiglu,weigh,experts"))
+         option("--pieces", default="swiglu,weigh,experts", help="any of swiglu,weigh,experts,gathers"))
 def kernels(s: Session) -> str:
     """One GPU: the MoE layer's pieces (bench/kernel_bench.py).
 
     Mixtral width: SwiGLU and the combine's weighting eager and compiled, the expert GEMMs grouped_mm against one
-    cuBLAS GEMM per expert."""
+    cuBLAS GEMM per expert. ``--pieces gathers``: the token gathers of dispatch.py (the dispatch's backward, the
+    combine's forward and backward, each alone) at Qwen3-30B-A3B's and Mixtral's shapes, compiled against Triton."""
     a = s.args
     s.run("kernels", [PY, os.path.join("bench", "kernel_bench.py"), "--rows", str(a.rows), "--rows_per_expert",
                       str(a.rows_per_expert), "--pieces", a.pieces, "--out", s.part], 400)
-    lines = ["| piece | variant | rows / local experts | ms (fwd + bwd) | GB/s or TFLOP/s |", "|---|---|---|---|---|"]
+    lines = ["| piece | variant | rows / local experts | ms (fwd + bwd; gathers: the one op) | GB/s or TFLOP/s |", "|---|---|---|---|---|"]
     for r in s.records:
         if r.get("status") in ("error", "timeout", "skipped"):
             lines.append(f"| {r['name']} | {r['status']}: {r.get('error', '')[:80]} | | | |")

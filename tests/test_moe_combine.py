@@ -1,7 +1,7 @@
 """The MoE layer's own autograd pieces against what plain indexing computes: the combine of expert outputs
-(gather + weighted sum, compiled on CUDA) against weighting + index_add, the dispatch's gather-sum backward,
-the per-expert bias's segment-sum backward; no host sync at ep = 1 on the grouped GEMM path, and ``force_loop``
-keeping it out. Eager, on CPU."""
+(gather + weighted sum; on CUDA a Triton kernel, tests/test_gather_kernels.py) against weighting + index_add, the
+dispatch's gather-sum backward, the per-expert bias's segment-sum backward; no host sync at ep = 1 on the grouped GEMM
+path, and ``force_loop`` keeping it out. Eager, on CPU."""
 
 import pytest
 import torch

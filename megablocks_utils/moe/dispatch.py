@@ -5,7 +5,9 @@ brought back, and weighted and summed into one row per token.
   experts, all-to-all back (``exchange``; ep > 1 only) -> k copies weighted and summed (``combine``).
 
 No capacity factor: every token copy is computed, an expert with zero tokens is fine. ``fuse`` (the
-layer's ``compile_elementwise``, on CUDA) runs the gathers and sums below as compiled kernels.
+layer's ``compile_elementwise``, on CUDA) runs the gathers and sums below as one kernel per pass: our Triton kernels
+(``gather_kernels.py``), or, with ``FUSED_GATHERS = "compiled"``, torch.compile of the eager functions, kept to
+compare against (bench/kernel_bench.py, tests/gpu/test_gather_kernels.py).
 """
 
 from collections.abc import Callable
@@ -22,6 +24,11 @@ from torch.distributed._functional_collectives import (
 )
 
 from megablocks_utils.moe.fused import fused
+
+# The gathers' kernels where ``fuse`` is on: "triton" (gather_kernels.py: each row read once, the combine's backward in
+# one pass) or "compiled" (``fused`` of ``_gather_sum`` and ``_gather_combine``); bench/kernel_bench.py --pieces
+# gathers times both.
+FUSED_GATHERS = "triton"
 
 
 class Route(NamedTuple):
@@ -48,12 +55,22 @@ def _gather_sum(grad: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Ten
     return grad[copy_row].view(-1, k, grad.shape[-1]).float().sum(dim=1).to(grad.dtype)
 
 
+def _fused_gather_sum(grad: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Tensor:
+    """``_gather_sum`` as one kernel (``FUSED_GATHERS``)."""
+    if FUSED_GATHERS == "triton":
+        from megablocks_utils.moe import gather_kernels  # Triton: imported where a GPU runs it
+
+        return gather_kernels.gather_sum(grad, copy_row, k)
+    return fused(_gather_sum)(grad, copy_row, k)
+
+
 class _Dispatch(torch.autograd.Function):
     """``x[token_of_copy]`` (each token's k copies, in expert order) with a gather for its backward.
 
     Autograd's backward of the indexing is a scatter-add into x (index_put with accumulate: on CUDA a sort
     and a serial pass over duplicate indices). Each token's k copies sit at known rows (``copy_row``), so the
-    gradient of a token is the sum of those k rows: a gather, summed in fp32 (as that kernel accumulates).
+    gradient of a token is the sum of those k rows: a gather, summed in fp32 (as that kernel accumulates),
+    one kernel with ``fuse``.
     """
 
     @staticmethod
@@ -65,7 +82,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (copy_row,) = ctx.saved_tensors
-        return (fused(_gather_sum) if ctx.fuse else _gather_sum)(grad, copy_row, ctx.k), None, None, None, None
+        return (_fused_gather_sum if ctx.fuse else _gather_sum)(grad, copy_row, ctx.k), None, None, None, None
 
 
 def dispatch(x: torch.Tensor, route: Route, k: int, fuse: bool) -> torch.Tensor:
@@ -113,8 +130,8 @@ def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torc
 def _gather_combine(out: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each token's k expert outputs (rows ``copy_row`` [T * k] of ``out``) weighted and summed in fp32.
 
-    The compiled form of weighting + ``index_add``: one kernel that gathers a token's k rows and writes
-    the token once, instead of a zero fill, a weighting pass and bf16 atomic adds. Its backward is a
+    What ``fuse`` runs as one kernel in place of weighting + ``index_add``: it gathers a token's k rows and
+    writes the token once, instead of a zero fill, a weighting pass and bf16 atomic adds. Its backward is a
     gather too (each copy row belongs to exactly one token), so it needs no atomics either.
     """
     num_tokens, k = top_w.shape
@@ -122,8 +139,32 @@ def _gather_combine(out: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tens
     return (rows * top_w.unsqueeze(-1)).sum(dim=1).to(dtype)
 
 
+class _GatherCombine(torch.autograd.Function):
+    """``_gather_combine`` as Triton kernels: one for the forward, one for the whole backward (both gradients from
+    one read of dy and of the k rows). ``out`` is kept for the backward only when ``top_w`` needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from megablocks_utils.moe import gather_kernels  # Triton: imported where a GPU runs it
+
+        d_out, _, d_top_w = ctx.needs_input_grad[:3]
+        ctx.save_for_backward(copy_row, top_w, out if d_top_w else None)
+        ctx.d_out_like = (out.shape[0], out.dtype) if d_out else None
+        return gather_kernels.combine(out, copy_row, top_w, dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        from megablocks_utils.moe import gather_kernels
+
+        copy_row, top_w, out = ctx.saved_tensors
+        d_out, d_top_w = gather_kernels.combine_backward(dy, copy_row, top_w, out, ctx.d_out_like)
+        return d_out, None, d_top_w, None
+
+
 def combine(out: torch.Tensor, route: Route, top_w: torch.Tensor, dtype: torch.dtype, fuse: bool) -> torch.Tensor:
     """Each token's k expert outputs (``out``: rows in expert order) weighted by its router weights and summed."""
+    if fuse and FUSED_GATHERS == "triton":
+        return _GatherCombine.apply(out, route.copy_row, top_w, dtype)
     if fuse:
         return fused(_gather_combine)(out, route.copy_row, top_w, dtype)
     weights = top_w.reshape(-1)[route.order]
