@@ -158,6 +158,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(BENCH, "results", "lora_peft.jsonl"))
+    p.add_argument("--gpu_memory_gib", type=float, default=0.0,
+                   help="cap the caching allocator at this many GiB (a smaller GPU on a larger one); 0: the whole GPU")
     p.add_argument("--tally_saved", action="store_true",
                    help="instead of training: what one micro-batch's forward saves for the backward, by shape (no weights)")
     args = p.parse_args()
@@ -198,6 +200,8 @@ def main() -> None:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        if args.gpu_memory_gib > 0:  # the allocator then refuses to grow past this share: an OOM there is an OOM on that GPU
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / torch.cuda.get_device_properties().total_memory))
     dist.init_process_group("nccl" if cuda else "gloo")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = AutoConfig.from_pretrained(args.model_config)
@@ -208,7 +212,7 @@ def main() -> None:
     record = {"variant": args.variant, "device": torch.cuda.get_device_name() if cuda else "cpu", "model": os.path.basename(args.model_config),
               "layers": args.layers, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "r": args.r,
               "ac": args.ac, "ac_layers": args.ac_layers, "checkpoint_experts": args.checkpoint_experts, "compile_dense": args.compile_dense, "chunked_loss": chunked,
-              "adapter_dtype": args.adapter_dtype, "attention": attention, "data": args.data, "lr": args.lr,
+              "adapter_dtype": args.adapter_dtype, "gpu_memory_gib": args.gpu_memory_gib or None, "attention": attention, "data": args.data, "lr": args.lr,
               "date": date.today().isoformat(), "torch": torch.__version__}
     try:
         if args.data == "random":

@@ -414,7 +414,9 @@ LORA_BUILD_S = 80
          option("--warmup", type=int, default=-1, help="warm-up steps (default 2; --quality: 0)"),
          option("--grad_accum", type=int, default=0, help="micro-steps per step (default 4; --quality: 1)"),
          option("--seq", type=int, default=4096), option("--micro_batch", type=int, default=1),
-         option("--lr", type=float, default=1e-4))
+         option("--lr", type=float, default=1e-4),
+         option("--model_config", default="", help="a config directory (default bench/lora_peft.py's: Qwen3-30B-A3B's)"),
+         option("--gpu_memory_gib", type=float, default=0.0, help="cap each run's GPU memory (a smaller GPU); 0: the whole GPU"))
 def lora(s: Session) -> str:
     """One GPU: LoRA on every expert, ours against transformers + PEFT (target_parameters), Qwen3-30B-A3B's shape
     (bench/lora_peft.py: the same weights, adapters and packed rows on both sides).
@@ -438,7 +440,8 @@ def lora(s: Session) -> str:
         command = s.torchrun(os.path.join("bench", "lora_peft.py"), "--variant", side, "--ac", ac, *lora_options(mods), "--layers", str(a.layers),
                              "--seq", str(a.seq), "--micro_batch", str(a.micro_batch), "--grad_accum", str(grad_accum),
                              "--steps", str(steps), "--warmup", str(warmup), "--data", data, "--lr", str(a.lr), "--out", s.part,
-                             nproc=1)
+                             *(["--model_config", a.model_config] if a.model_config else []),
+                             *(["--gpu_memory_gib", str(a.gpu_memory_gib)] if a.gpu_memory_gib else []), nproc=1)
         s.run(name, command, max(300, 2 * estimate), side=side)  # the harness's tag "variant" is "lora"
     if a.dry_run:
         print(f"estimate: about {total:.0f} s in all on one H200 (budget {a.budget_s:.0f} s; LORA_MICRO_STEP_S in bench/run.py)")
