@@ -57,6 +57,7 @@ seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
+checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
@@ -228,7 +229,8 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
                        gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
                        activation_checkpointing_layers=activation_checkpointing_layers, finetuning=finetuning, lora_r=lora_r,
-                       lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, chunked_loss=chunked_loss)
+                       lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, chunked_loss=chunked_loss,
+                       checkpoint_experts=checkpoint_experts)
 gpu_bytes = 0  # on CPU: nothing to fit into
 if use_cuda:
     gpu_bytes = gpu_memory_gib * 2**30 if gpu_memory_gib > 0 else torch.cuda.get_device_properties(device).total_memory
@@ -280,7 +282,8 @@ if master:
 # EP was applied while loading; then activation checkpointing, compile and FSDP2 (experts over dp,
 # dense weights over all ranks), in that order (megablocks_utils/parallel/parallelize.py).
 compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
-                       activation_checkpointing_layers=activation_checkpointing_layers, compile_dense=compile_dense, device=device)
+                       activation_checkpointing_layers=activation_checkpointing_layers, checkpoint_experts=checkpoint_experts,
+                       compile_dense=compile_dense, device=device)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
 left_out = fsdp_left_out(model, mesh, compute_dtype)
