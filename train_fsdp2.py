@@ -129,8 +129,9 @@ from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
     build_mesh,
-    clip_grad_norm_,
+    clipped_step,
     expert_parameters,
+    grad_norm_and_clip_coef,
     load_model,
     spec_for,
 )
@@ -356,7 +357,9 @@ for step in range(start_step, total_steps):
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
         loss, _ = step_loss.micro_batch(model, batch)
         loss.backward()
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+    # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
+    # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
+    grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)
     try:  # before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm
         skipped = step_loss.check(nonfinite_steps, grad_norm)
     except NonFiniteStep as e:
@@ -365,7 +368,9 @@ for step in range(start_step, total_steps):
         saved = [(int(os.path.basename(c)[5:]), c) for c in complete_checkpoints(checkpoint_root)]
         fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
     if not skipped:
-        optimizer.step()
+        # adamw_bf16 multiplies each gradient by clip_coef as its update reads it (one pass over them fewer);
+        # the other optimizers' gradients are scaled first. The same numbers either way.
+        clipped_step(optimizer, clip_coef)
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
