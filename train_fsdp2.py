@@ -130,8 +130,9 @@ from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
     build_mesh,
-    clip_grad_norm_,
+    clipped_step,
     expert_parameters,
+    grad_norm_and_clip_coef,
     load_model,
     spec_for,
 )
@@ -199,8 +200,8 @@ dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
 rank, world_size = dist.get_rank(), dist.get_world_size()
 master = rank == 0
 # Schedulers send SIGTERM before preemption: finish the step, save, exit 0. Installed first thing,
-# so a signal during loading is honoured after the first step; ranks agree on stopping at each
-# step's end (a signal can reach them at different moments).
+# so a signal during loading is honoured after the first step; ranks agree on stopping with each
+# step's sums (a signal can reach them at different moments) and stop at that step's end.
 stop_signal = StopSignal(device)
 try:
     nonfinite_steps = NonFiniteSteps(nonfinite, max_consecutive_skips)
@@ -359,16 +360,22 @@ for step in range(start_step, total_steps):
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
         loss, _ = step_loss.micro_batch(model, batch)
         loss.backward()
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
-    try:  # before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm
-        skipped = step_loss.check(nonfinite_steps, grad_norm)
+    # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
+    # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
+    grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)
+    # Before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm; each
+    # rank's SIGTERM flag goes with them (stop_signal.stopping, read at the step's end).
+    try:
+        skipped = step_loss.check(nonfinite_steps, grad_norm, stop_signal)
     except NonFiniteStep as e:
         if master:
             progress.close()  # the message on a line of its own
         saved = [(int(os.path.basename(c)[5:]), c) for c in complete_checkpoints(checkpoint_root)]
         fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
     if not skipped:
-        optimizer.step()
+        # adamw_bf16 multiplies each gradient by clip_coef as its update reads it (one pass over them fewer);
+        # the other optimizers' gradients are scaled first. The same numbers either way.
+        clipped_step(optimizer, clip_coef)
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
@@ -380,9 +387,10 @@ for step in range(start_step, total_steps):
     if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
         evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
                               max_length, attention)
-    # The step's record, the same on every rank; rank 0 writes it to metrics.jsonl.
+    # The step's record, the same on every rank, from numbers the host read before the optimizer step (no host
+    # sync here); rank 0 writes it to metrics.jsonl.
     record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0],
-                        grad_norm=grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)
+                        grad_norm=step_loss.sums.grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)
     if master:
         if board:
             board.write(record)
@@ -392,7 +400,7 @@ for step in range(start_step, total_steps):
                                  **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}))
     if save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps):
         checkpoint(step + 1)
-    if stop_signal.agreed() and step + 1 < total_steps:
+    if stop_signal.stopping and step + 1 < total_steps:  # decided in step_loss.check, the same on every rank
         if save_steps <= 0 or (step + 1) % save_steps != 0:
             checkpoint(step + 1)
         if master:

@@ -1,6 +1,7 @@
 """The optimizer step and the gradient clip alone, on a model's parameter shapes: GPU time per step of each AdamW.
 
     python bench/optim_step.py --shape qwen3_30b_a3b --layers 12 [--out bench/results/optim_step.jsonl]
+    python bench/optim_step.py --variants adamw_bf16_clip,adamw_bf16_clip_folded  # the clip folded into adamw_bf16
 
 Parameters (bf16, or fp32 for adamw_torch) and gradients of the shapes a ``--shape`` model with ``--layers`` layers has
 (bench/real_data.py's SHAPES, built on the meta device), random; each variant runs ``--warmup`` steps, then ``--steps``
@@ -54,13 +55,15 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--variants", default="torchao_sr,adamw_bf16,torch_fused_bf16,clip",
-                   help="torchao_sr / torchao_nearest (torchao's _AdamW), adamw_bf16 (ours: AdamWBF16), torch_fused_bf16, clip")
+                   help="torchao_sr / torchao_nearest (torchao's _AdamW), adamw_bf16 (ours: AdamWBF16), torch_fused_bf16, clip; "
+                        "adamw_bf16_clip (clip_grad_norm_, then the step) / adamw_bf16_clip_folded (the norm, then the step "
+                        "applying the clip's coefficient: clipped_step, as train_fsdp2.py)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=os.path.join(BENCH, "results", "optim_step.jsonl"))
     args = p.parse_args()
 
-    from megablocks_utils.parallel.grads import clip_grad_norm_
+    from megablocks_utils.parallel import grads
 
     sizes = shapes(args.shape, args.layers)
     numel = sum(torch.Size(s).numel() for s in sizes)
@@ -73,8 +76,18 @@ def main() -> None:
         for q in params:
             q.grad = torch.randn_like(q) * 1e-3
         if variant == "clip":
-            step = lambda: clip_grad_norm_(params, 1.0)  # noqa: E731
+            step = lambda: grads.clip_grad_norm_(params, 1.0)  # noqa: E731
             moved = numel * dtype.itemsize * 3  # norm: read; scale: read + write
+        elif variant in ("adamw_bf16_clip", "adamw_bf16_clip_folded"):
+            from megablocks_utils.train.optim import build_optimizer
+
+            opt = build_optimizer("adamw_bf16", [{"params": params}], lr=1e-5, betas=(0.9, 0.95), device_type="cuda")
+            if variant == "adamw_bf16_clip":
+                step = lambda: (grads.clip_grad_norm_(params, 1.0), opt.step())  # noqa: E731
+                moved = numel * dtype.itemsize * 10  # the clip's 3 passes, then the step's 7
+            else:
+                step = lambda: grads.clipped_step(opt, grads.grad_norm_and_clip_coef(params, 1.0)[1])  # noqa: E731
+                moved = numel * dtype.itemsize * 8  # the norm's read, then the step's 7
         else:
             if variant == "adamw_bf16":
                 from megablocks_utils.train.optim import build_optimizer

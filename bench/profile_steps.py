@@ -54,7 +54,7 @@ def part_of(name: str, ancestors: list[str]) -> str:
         return "optimizer"
     if any("AccumulateGrad" in a for a in ancestors):
         return "gradient accumulation (micro-steps)"
-    if any(a.startswith("clip_grad") or "clip_grad" in a for a in ancestors):
+    if any("clip_grad" in a or "grad_norm_and_clip_coef" in a or "scale_grads_" in a for a in ancestors):
         return "gradient clip"
     # The chunked loss (megablocks_utils/train/loss.py): its GEMMs are lm_head's, the rest is the loss.
     in_chunked_loss = any(a == "chunked_loss" or "ChunkedLinearCrossEntropy" in a for a in ancestors)
@@ -125,7 +125,7 @@ def phases(args, script_args: list[str]) -> None:
             event = HostClock()
         marks.append((label, time.perf_counter(), event))
 
-    forward, check, clip = StepLoss.micro_batch, StepLoss.check, grads.clip_grad_norm_
+    forward, check, clip = StepLoss.micro_batch, StepLoss.check, grads.grad_norm_and_clip_coef
 
     hooked = []
 
@@ -152,7 +152,7 @@ def phases(args, script_args: list[str]) -> None:
         return clip(*a, **k)
 
     StepLoss.micro_batch, StepLoss.check = micro_batch, timed_check
-    grads.clip_grad_norm_ = megablocks_utils.clip_grad_norm_ = timed_clip
+    grads.grad_norm_and_clip_coef = megablocks_utils.grad_norm_and_clip_coef = timed_clip
 
     def step_end(optimizer, *_):
         mark("the optimizer's GPU tail (a sync)")

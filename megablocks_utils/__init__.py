@@ -16,6 +16,8 @@ _MODULE_OF = {
     "router_stats": "moe.aux_loss",
     "compile_dense_parts": "parallel.compile_dense",
     "clip_grad_norm_": "parallel.grads",
+    "clipped_step": "parallel.grads",
+    "grad_norm_and_clip_coef": "parallel.grads",
     "sync_expert_grads": "parallel.grads",
     "IGNORE_INDEX": "train.loss",
     "causal_lm_loss_sum": "train.loss",

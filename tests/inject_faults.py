@@ -8,7 +8,8 @@ Each rank patches the library where the fault belongs, then runs the script as `
 
 - ``--nan_loss_at 3,5``: the last rank's summed cross-entropy of every micro-batch of these steps becomes NaN
   (``StepLoss.micro_batch``); its gradients stay finite, so only the loss shows the fault.
-- ``--nan_grad_at 3``: one gradient entry of the last rank becomes NaN right before the clip (``clip_grad_norm_``).
+- ``--nan_grad_at 3``: one gradient entry of the last rank becomes NaN right before the gradient norm
+  (``grad_norm_and_clip_coef``, which ``clip_grad_norm_`` calls too).
 - ``--disk_full_at 2``: the last rank's save of that step's checkpoint fails as on a full disk (ENOSPC): inside
   DCP's shard writes (train_fsdp2.py), after Trainer's own save (train_fsdp1.py).
 - ``--kill_in_save_at 4``: rank 0 SIGKILLs itself after every rank wrote that step's checkpoint, before it is
@@ -53,20 +54,20 @@ def nan_loss_at(bad_steps: set[int]) -> None:
 
 
 def nan_grad_at(bad_steps: set[int]) -> None:
-    """The step is the newest StepLoss's: both scripts make it at the step's start, and clip after its backward."""
+    """The step is the newest StepLoss's: both scripts make it at the step's start, and take the norm after its backward."""
     from torch.distributed.tensor import DTensor
 
     import megablocks_utils.parallel.grads as grads
     import megablocks_utils.train.step as step_module
 
     current = {}
-    init, clip = step_module.StepLoss.__init__, grads.clip_grad_norm_
+    init, norm = step_module.StepLoss.__init__, grads.grad_norm_and_clip_coef
 
     def tracked_init(self, step, *args, **kwargs):
         current["step"] = step
         init(self, step, *args, **kwargs)
 
-    def faulty_clip(parameters, *args, **kwargs):
+    def faulty_norm(parameters, *args, **kwargs):
         parameters = list(parameters)
         if current.get("step") in bad_steps and last_rank():
             for p in parameters:
@@ -74,10 +75,11 @@ def nan_grad_at(bad_steps: set[int]) -> None:
                 if local is not None and local.numel() > 0:
                     local[(0,) * local.dim()] = float("nan")
                     break
-        return clip(parameters, *args, **kwargs)
+        return norm(parameters, *args, **kwargs)
 
     step_module.StepLoss.__init__ = tracked_init
-    grads.clip_grad_norm_ = faulty_clip  # the scripts import it by name after this
+    # train_fsdp2.py imports it by name after this; clip_grad_norm_ (train_fsdp1.py's) looks it up in grads at each call
+    grads.grad_norm_and_clip_coef = faulty_norm
 
 
 def full_disk_write(self, plan, planner):

@@ -2,8 +2,13 @@
 
 The Triton kernel is checked against the same reference on a GPU (tests/gpu/test_optimizers.py)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from conftest import ROOT
 
 from megablocks_utils.train.adamw_bf16 import AdamWBF16, _reference_update
 
@@ -84,3 +89,68 @@ def test_refuses_parameters_that_are_not_bf16():
     p.grad = torch.ones(4)
     with pytest.raises(ValueError, match="bf16 parameters"):
         AdamWBF16([p]).step()
+
+
+def test_the_clip_coefficient_folded_into_the_step_gives_the_bits_of_scaling_the_gradients_first():
+    """``step(clip_coef=c)`` multiplies each gradient by c as the update reads it, rounded to bf16 as the in-place
+    multiply of ``clip_grad_norm_`` stores it: the weights and moments are those of clipping first, bit for bit, with
+    stochastic rounding and weight decay; the stored gradients are left as they were."""
+    from megablocks_utils.parallel.grads import clip_grad_norm_, grad_norm_and_clip_coef
+
+    def run(fold: bool):
+        torch.manual_seed(7)
+        params = _params(2)
+        opt = AdamWBF16(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        for step in range(3):
+            _set_grads(params, step)
+            if fold:
+                grads = [p.grad.clone() for p in params]
+                norm, coef = grad_norm_and_clip_coef(params, 0.1)
+                opt.step(clip_coef=coef)
+                assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+            else:
+                norm = clip_grad_norm_(params, 0.1)
+                opt.step()
+            assert norm > 0.1  # the clip scales every step
+        return params, opt
+
+    (first, first_opt), (folded, folded_opt) = run(False), run(True)
+    for p, q in zip(first, folded):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(first_opt.state[p][key], folded_opt.state[q][key])
+
+
+KERNEL_WITH_A_CLIP_COEF = """
+import torch
+from megablocks_utils.train.adamw_bf16 import _triton_update
+settings = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, correction1=0.271, correction2_sqrt=0.3854)
+def tensors(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=g) * 0.02).bfloat16(), (torch.randn(n, generator=g) * 1e-2).bfloat16(),
+            (torch.randn(n, generator=g) * 1e-3).bfloat16(), (torch.rand(n, generator=g) * 1e-4).bfloat16()]
+coef = torch.tensor(0.3137).bfloat16()
+for n in (1, 2049, 5000):
+    for stochastic in (True, False):
+        folded, scaled_first = tensors(n, n), tensors(n, n)
+        grad = folded[1].clone()
+        _triton_update(*folded, **settings, seed=5, stochastic=stochastic, grad_coef=coef)
+        scaled_first[1].mul_(coef)
+        _triton_update(*scaled_first, **settings, seed=5, stochastic=stochastic)
+        assert torch.equal(folded[1], grad), "the stored gradient changed"
+        for i in (0, 2, 3):  # the parameter and both moments
+            assert torch.equal(folded[i], scaled_first[i]), (n, stochastic, i)
+print("ok")
+"""
+
+
+def test_the_kernel_with_a_clip_coefficient_in_tritons_interpreter():
+    """The Triton kernel's fold, run by Triton's CPU interpreter: the gradient times the coefficient, rounded to bf16,
+    gives the bits of a gradient scaled in place first (with stochastic rounding: the same seed; and without), and the
+    stored gradient is left as it was. (The kernel's update itself is checked against the torch reference on a GPU:
+    tests/gpu/test_adamw_bf16_kernel.py.)"""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-c", KERNEL_WITH_A_CLIP_COEF], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -82,6 +82,25 @@ def test_step_sums_are_added_and_reduced_by_name(one_rank_group):
     assert sums.all_reduce() is sums
     assert (sums.ce_sum, sums.aux, sums.tokens, sums.token_slots, sums.attention_sq, sums.nonfinite) == (10.0, 0.5, 8.0, 16.0, 104.0, 1.0)
     assert sums.tokens_per_expert.tolist() == [[6.0, 2.0], [4.0, 4.0]]
+    assert sums.stop_requests == 0.0 and sums.grad_norm is None  # no StopSignal, no norm given
+
+
+def test_the_record_reads_only_what_the_all_reduce_copied_to_the_host(one_rank_group):
+    """``all_reduce`` reads the totals, the global gradient norm and the expert counts in one device-to-host copy, so
+    the step's record needs no device tensor after the optimizer step (on a GPU: no host sync there,
+    tests/gpu/test_step_no_sync.py); the counts stay on the device for the routing bias."""
+    sums = StepSums("cpu")
+    counts = torch.tensor([[6.0, 2.0], [4.0, 5.0]], dtype=torch.float64)
+    sums.add(ce_sum=torch.tensor(10.0), aux=0.5, tokens=8, token_slots=16, attention_sq=64.0, nonfinite=0, tokens_per_expert=counts)
+    sums.all_reduce(grad_norm=torch.tensor(2.25, dtype=torch.float32))
+    assert sums.grad_norm == 2.25 and isinstance(sums.grad_norm, float)
+    assert sums.tokens_per_expert_cpu.dtype == counts.dtype and torch.equal(sums.tokens_per_expert_cpu, counts)
+    assert torch.equal(sums.tokens_per_expert, counts)  # kept where it is, for the routing bias
+    sums.tokens_per_expert = None  # the record must not read it
+    record = metrics_log(None).record(1, sums, label_tokens=5.0, lr=1e-3, grad_norm=sums.grad_norm, skipped=False, step_time=1.0)
+    assert record["grad_norm"] == 2.25 and record["tokens_per_expert"] == [[6, 2], [4, 5]]
+    assert record["tokens_per_expert_max"] == [6.0, 5.0] and record["tokens_per_expert_mean"] == [4.0, 4.5]
+    assert StepSums("cpu").all_reduce(grad_norm=3.0).grad_norm == 3.0  # train_fsdp1.py's norm is a number already
 
 
 def reduced_sums(ce_sum=10.0, tokens=8, token_slots=16, attention_sq=64.0):
@@ -393,6 +412,42 @@ def check_stop_signal_is_agreed(rank, world):
     assert decided_now is False  # this step's decision stands on every rank
     assert stop.agreed() is True and stop.stopping  # and the next step's end stops every rank
     assert stop.raised is (rank == 1)
+
+
+def check_stop_request_rides_on_the_step_sums(rank, world):
+    import os
+    import signal
+    from unittest import mock
+
+    from megablocks_utils.train.nonfinite import NonFiniteSteps
+    from megablocks_utils.train.step import StepLoss
+    from megablocks_utils.train.stop_signal import StopSignal
+
+    stop, nonfinite = StopSignal(torch.device("cpu")), NonFiniteSteps("stop", 0)
+    all_reduce, collectives, decisions = dist.all_reduce, [], []
+
+    def signal_after_step_2s_reduce(tensor, *args, **kwargs):
+        all_reduce(tensor, *args, **kwargs)
+        collectives.append(step)
+        if rank == 1 and step == 2:  # lands after the step's snapshots were reduced, before any rank decided
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    for step in (1, 2, 3):
+        step_loss = StepLoss(step, 4.0 * world, 1, aux_coef=0.0, group=dist.group.WORLD, device=torch.device("cpu"))
+        step_loss.sums.add(ce_sum=1.0, aux=0.0, tokens=4, token_slots=4, attention_sq=16.0, nonfinite=0)
+        with mock.patch.object(dist, "all_reduce", signal_after_step_2s_reduce):
+            assert step_loss.check(nonfinite, torch.tensor(1.0), stop) is False
+        decisions.append((stop.stopping, step_loss.sums.stop_requests))
+    assert decisions == [(False, 0.0), (False, 0.0), (True, 1.0)], decisions  # the same on every rank
+    assert collectives == [1, 2, 3]  # one collective per step: the flag went with the sums
+    assert stop.raised is (rank == 1)
+
+
+def test_sigterm_rides_on_the_step_sums_and_stops_every_rank_at_the_same_step():
+    """train_fsdp2.py's path (``StepLoss.check(..., stop_signal)``): each rank's flag is reduced with the step's sums, in
+    the step's one all_reduce, and every rank decides on the reduced count alone: a signal on rank 1 that lands right
+    after step 2's all_reduce stops no rank at step 2 and every rank at step 3."""
+    run_ranks(check_stop_request_rides_on_the_step_sums, 2)
 
 
 def test_sigterm_between_the_all_reduce_and_the_decision_counts_next_step_on_every_rank():

@@ -8,8 +8,10 @@ from megablocks_utils import (
     build_mesh,
     causal_lm_loss_sum,
     clip_grad_norm_,
+    clipped_step,
     count_label_tokens,
     expert_parameters,
+    grad_norm_and_clip_coef,
 )
 from megablocks_utils.parallel.parallelize import parallelize
 from megablocks_utils.train.optim import (
@@ -26,7 +28,8 @@ from megablocks_utils.train.optim import (
 STATE_BYTES = {"adamw_torch": (7.9, 8.1), "adamw_bf16": (3.9, 4.1), "adamw_torch_8bit": (2.0, 3.0)}
 
 
-def train_steps(rank, world, optim, ep_size, steps=4):
+def train_steps(rank, world, optim, ep_size, steps=4, max_norm=1.0, fold=False):
+    """``fold``: the clip as train_fsdp2.py applies it (``clipped_step``), else ``clip_grad_norm_`` then the step."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -35,27 +38,33 @@ def train_steps(rank, world, optim, ep_size, steps=4):
     mesh = build_mesh(ep_size, "cpu")
     parallelize(model, mesh, param_dtype=param_dtype(optim), device="cpu")
     experts = set(expert_parameters(model))
-    groups = [{"params": [p for p in model.parameters() if p not in experts]}, {"params": list(experts)}]
+    # in the model's order (a set's order changes from run to run, and with it which tensor draws which rounding seed)
+    groups = [{"params": [p for p in model.parameters() if p not in experts]}, {"params": [p for p in model.parameters() if p in experts]}]
     optimizer = build_optimizer(optim, groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, device_type="cpu")
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     ids = torch.randint(1, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))[rank * 2:(rank + 1) * 2]
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         # this rank's mean; FSDP averages over the 2 ranks (equal token counts): the global mean's gradient
         loss = causal_lm_loss_sum(model(ids).logits.float(), ids) / count_label_tokens(ids)
         loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        if fold:
+            norm, coef = grad_norm_and_clip_coef(model.parameters(), max_norm)
+            clipped_step(optimizer, coef)
+        else:
+            norm = clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    return model, optimizer, before, losses
+        norms.append(float(norm))
+    return model, optimizer, before, losses, norms
 
 
 def check_every_optim(rank, world):
     for ep_size in (2, 1):  # ep = 2; dp = 2 with experts FSDP-sharded over dp
         for optim in OPTIMIZERS:
             where = f"{optim}, ep={ep_size}"
-            model, optimizer, before, losses = train_steps(rank, world, optim, ep_size)
+            model, optimizer, before, losses, _ = train_steps(rank, world, optim, ep_size)
             assert losses[-1] < losses[0] - 0.05, (where, losses)
             numel = 0
             for name, p in model.named_parameters():
@@ -72,6 +81,26 @@ def check_every_optim(rank, world):
             measured = sum(_state_bytes_of(optimizer.state[p]) for p in large) / total
             low, high = STATE_BYTES[optim]
             assert low <= measured <= high, (where, measured)
+
+
+def check_clip_folded_into_adamw_bf16(rank, world):
+    for ep_size in (2, 1):  # ep = 2; dp = 2 with experts FSDP-sharded over dp: gradients on two meshes
+        first, first_optim, _, first_losses, first_norms = train_steps(rank, world, "adamw_bf16", ep_size, max_norm=0.05)
+        fold, fold_optim, _, fold_losses, fold_norms = train_steps(rank, world, "adamw_bf16", ep_size, max_norm=0.05, fold=True)
+        assert min(fold_norms) > 0.05, fold_norms  # the clip scaled every step's gradients
+        assert (first_losses, first_norms) == (fold_losses, fold_norms), ep_size
+        for (name, p), q in zip(first.named_parameters(), fold.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), (ep_size, name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(first_optim.state[p][key].to_local(), fold_optim.state[q][key].to_local()), (ep_size, name, key)
+
+
+def test_adamw_bf16_with_the_clip_folded_in_trains_the_same_bits():
+    """adamw_bf16 multiplying the clip's coefficient into each gradient as its update reads it (``clipped_step``,
+    train_fsdp2.py's path) gives the weights, moments and losses of clipping the gradients in place first, bit for bit:
+    the update rounds the product to bf16 as the in-place multiply stores it (adamw_bf16.py). Equal noise: the same
+    seeds, drawn in the same order."""
+    run_ranks(check_clip_folded_into_adamw_bf16, 2)
 
 
 def _state_bytes_of(state: dict) -> int:

@@ -7,6 +7,10 @@ only its own ep group's tokens, so it must be summed over the dp replicas and di
 divide factor is ``world_size``). ``sync_expert_grads`` does it by hand for the FSDP1 path, whose
 experts stay whole and replicated over dp, once per optimizer step (summing is linear, so
 accumulated micro-step gradients can be reduced together).
+
+The clip is two parts: ``grad_norm_and_clip_coef`` (the global norm and the factor that clips it) and the scaling,
+which ``clipped_step`` leaves to adamw_bf16's update where it can (one pass over the gradients fewer);
+``clip_grad_norm_`` does both at once.
 """
 
 import math
@@ -18,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from megablocks_utils.model.build import expert_parameters
 from megablocks_utils.parallel.mesh import MoEMesh
+from megablocks_utils.train.adamw_bf16 import AdamWBF16
 
 
 def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
@@ -51,10 +56,15 @@ def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.Pr
     return float(world_size)
 
 
-def clip_grad_norm_(
-    parameters, max_norm: float, foreach: bool | None = None, *, sharded_group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Clip all gradients by their true global 2-norm and return it (a plain fp32 tensor).
+def grad_norm_and_clip_coef(
+    parameters, max_norm: float, *, sharded_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The true global 2-norm of all gradients and the clip's coefficient, without touching the gradients.
+
+    Returns ``(norm, coef)``, 0-dim fp32 tensors on the device of the collective (nothing is read on the host):
+    ``coef = min(1, max_norm / (norm + 1e-6))``, the factor that brings the norm to ``max_norm``, or None when
+    ``max_norm`` <= 0 (no clipping). Apart so that an optimizer can apply ``coef`` as it reads each gradient
+    (``clipped_step``) instead of a pass of its own over all of them; ``clip_grad_norm_`` applies it at once.
 
     ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP's dense mesh and
     the experts' mesh). Here each rank squares the norm of its local shards, each divided by the
@@ -63,7 +73,6 @@ def clip_grad_norm_(
     all ranks sums them. Plain tensors are taken as replicated on every rank, unless
     ``sharded_group`` is given: then they are disjoint shards over that group (FSDP1's flat
     parameters). Norms are taken in fp32 whatever the gradient dtype. Collective: call it on every rank.
-    ``foreach`` is accepted for torch's signature and not used.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -84,13 +93,53 @@ def clip_grad_norm_(
     if world_size > 1:
         dist.all_reduce(squared)
     total = squared.sqrt()
-    if max_norm > 0:
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for (_, local_device, dtype), tensors in groups.items():
-            # torch._foreach_mul_ with a tensor scale: what torch.nn.utils.clip_grads_with_norm_ runs, on the local shards
-            # (that public function takes parameters, and one foreach call cannot mix DTensors of two meshes).
-            torch._foreach_mul_(tensors, clip_coef.to(local_device, dtype))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm > 0 else None
+    return total, coef
+
+
+def scale_grads_(parameters, coef: torch.Tensor) -> None:
+    """Multiply every gradient by ``coef`` in place, in the gradient's dtype (``coef`` cast to it first, as torch's
+    clip does), on the local shards: one multi-tensor launch per device and dtype."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if local.numel():
+                groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), tensors in groups.items():
+        # torch._foreach_mul_ with a tensor scale: what torch.nn.utils.clip_grads_with_norm_ runs, on the local shards
+        # (that public function takes parameters, and one foreach call cannot mix DTensors of two meshes).
+        torch._foreach_mul_(tensors, coef.to(device, dtype))
+
+
+def clip_grad_norm_(
+    parameters, max_norm: float, foreach: bool | None = None, *, sharded_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip all gradients by their true global 2-norm and return it (a plain fp32 tensor, before clipping).
+
+    ``grad_norm_and_clip_coef`` (the norm over both meshes; ``sharded_group`` is its), then ``scale_grads_``.
+    Collective: call it on every rank. ``foreach`` is accepted for torch's signature and not used.
+    """
+    parameters = list(parameters)
+    total, coef = grad_norm_and_clip_coef(parameters, max_norm, sharded_group=sharded_group)
+    if coef is not None:
+        scale_grads_(parameters, coef)
     return total
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
+    """``optimizer.step()`` on its gradients multiplied by ``clip_coef`` (``grad_norm_and_clip_coef``'s; None: as they are).
+
+    ``AdamWBF16`` (adamw_bf16) multiplies each gradient as its update reads it, which saves a pass over all gradients
+    (a read and a write of each); the other optimizers get their gradients scaled in place first (``scale_grads_``).
+    Either way the update sees the same numbers: the product rounded to the gradient's dtype (adamw_bf16.py).
+    """
+    if clip_coef is not None and isinstance(optimizer, AdamWBF16):
+        optimizer.step(clip_coef=clip_coef)
+        return
+    if clip_coef is not None:
+        scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip_coef)
+    optimizer.step()
 
 
 def _collective_device(group: dist.ProcessGroup) -> torch.device:

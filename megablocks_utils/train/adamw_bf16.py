@@ -9,6 +9,14 @@ per step for what the GPU does in less (one H200, bench/optim_step.py), so the o
 is one Triton kernel launch on CUDA (its four tensors read once, three written); elsewhere the same arithmetic runs as
 torch operations (``_reference_update``, what the kernel is tested against).
 
+The gradient clip can be folded into the step (``step(clip_coef=...)``): each gradient is multiplied by the clip's
+coefficient as the update reads it, instead of in a pass of its own over all gradients before the step (a read and a
+write of every gradient; that pass took 7-9 ms of a 417 ms step at a 12-layer Qwen3-30B-A3B shape on one H200). The
+product is rounded to the gradient's dtype, the coefficient first cast to it, exactly as the in-place multiply of
+``clip_grad_norm_`` stores it, so a run with the fold trains the same bits as one that clips first
+(tests/test_adamw_bf16.py, tests/test_optim.py). Keeping that rounding costs a few integer operations per element in a
+kernel bound by memory; dropping it would gain little, as the bf16 gradient carries an error of the same size.
+
 The random bits come from a seed drawn per tensor and step from torch's CPU generator, which checkpoints save and
 restore: a resumed run rounds as the uninterrupted one did. State (``step``, ``exp_avg``, ``exp_avg_sq``, shaped and
 sharded like the parameter) has torchao's keys and dtypes, so its checkpoints load here.
@@ -36,11 +44,15 @@ class AdamWBF16(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, clip_coef: torch.Tensor | None = None):
+        """One update of every parameter with a gradient. ``clip_coef``: the gradient clip's coefficient (a 0-dim
+        tensor on the parameters' device, ``grad_norm_and_clip_coef``'s; read on the device, no host sync), multiplied
+        into each gradient as the update reads it, the stored gradient left as it is; None: the gradients as they are."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        coefs = {}  # clip_coef cast once per (device, dtype) of the gradients, as scale_grads_ casts it
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, weight_decay = float(group["lr"]), group["eps"], group["weight_decay"]
@@ -60,10 +72,15 @@ class AdamWBF16(torch.optim.Optimizer):
                 correction1 = float(1 - beta1**step)
                 correction2_sqrt = float((1 - beta2**step).sqrt())
                 seed = int(torch.randint(0, 2**31 - 1, ()))
+                grad, coef = _local(p.grad), None
+                if clip_coef is not None:
+                    if (grad.device, grad.dtype) not in coefs:
+                        coefs[grad.device, grad.dtype] = clip_coef.to(grad.device, grad.dtype)
+                    coef = coefs[grad.device, grad.dtype]
                 update = _triton_update if p.is_cuda else _reference_update
-                update(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), lr=lr, beta1=beta1,
+                update(_local(p), grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), lr=lr, beta1=beta1,
                        beta2=beta2, eps=eps, weight_decay=weight_decay, correction1=correction1,
-                       correction2_sqrt=correction2_sqrt, seed=seed)
+                       correction2_sqrt=correction2_sqrt, seed=seed, grad_coef=coef)
         return loss
 
 
@@ -75,8 +92,11 @@ def _round_stochastic(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_update(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, correction1, correction2_sqrt,
-                      seed, stochastic: bool = True) -> None:
-    """The update in torch operations, in place (any device)."""
+                      seed, stochastic: bool = True, grad_coef: torch.Tensor | None = None) -> None:
+    """The update in torch operations, in place (any device). ``grad_coef``: a 0-dim tensor in the gradient's dtype that
+    multiplies the gradient, the product rounded to that dtype (``grad`` itself is not changed)."""
+    if grad_coef is not None:
+        grad = grad * grad_coef
     p32, g32 = p.float(), grad.float()
     p32 = p32 - lr * weight_decay * p32
     m32 = exp_avg.float().lerp(g32, 1 - beta1)
@@ -93,18 +113,22 @@ def _reference_update(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
 
 
 def _triton_update(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, correction1, correction2_sqrt,
-                   seed, stochastic: bool = True) -> None:
-    """The update as one Triton kernel over the tensor's elements (CUDA, contiguous bf16 tensors), in place."""
-    if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (p, grad, exp_avg, exp_avg_sq)):
+                   seed, stochastic: bool = True, grad_coef: torch.Tensor | None = None) -> None:
+    """The update as one Triton kernel over the tensor's elements (CUDA, contiguous bf16 tensors), in place;
+    ``grad_coef`` as ``_reference_update``'s, loaded by the kernel (no host sync)."""
+    if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (p, grad, exp_avg, exp_avg_sq)) or (
+        grad_coef is not None and grad_coef.dtype != torch.bfloat16
+    ):
         return _reference_update(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                  weight_decay=weight_decay, correction1=correction1, correction2_sqrt=correction2_sqrt,
-                                 seed=seed, stochastic=stochastic)
+                                 seed=seed, stochastic=stochastic, grad_coef=grad_coef)
     n = p.numel()
     if n == 0:
         return None
     from megablocks_utils.train.adamw_bf16_kernel import adamw_bf16_kernel  # Triton: imported where a GPU runs it
 
-    adamw_bf16_kernel[(math.ceil(n / _BLOCK),)](p, grad, exp_avg, exp_avg_sq, n, lr, 1 - beta1, 1 - beta2, eps, weight_decay,
-                                        correction1, correction2_sqrt, seed, STOCHASTIC=stochastic, BLOCK=_BLOCK,
-                                        num_warps=8)
+    # Without a coefficient the kernel never reads its pointer: the gradient stands in for it.
+    adamw_bf16_kernel[(math.ceil(n / _BLOCK),)](p, grad, exp_avg, exp_avg_sq, grad if grad_coef is None else grad_coef, n, lr,
+                                        1 - beta1, 1 - beta2, eps, weight_decay, correction1, correction2_sqrt, seed,
+                                        STOCHASTIC=stochastic, SCALED=grad_coef is not None, BLOCK=_BLOCK, num_warps=8)
     return None

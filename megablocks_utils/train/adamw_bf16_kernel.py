@@ -14,14 +14,19 @@ def _to_bf16_nearest(x):
 
 
 @triton.jit
-def adamw_bf16_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, beta1_weight, beta2_weight, eps, weight_decay, correction1,
-                      correction2_sqrt, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+def adamw_bf16_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1_weight, beta2_weight, eps, weight_decay,
+                      correction1, correction2_sqrt, seed, STOCHASTIC: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
     """One AdamW step on ``BLOCK`` elements of a bf16 parameter, its gradient and its two bf16 moments, in fp32;
-    ``*_weight`` = 1 - beta; the parameter rounded stochastically (``STOCHASTIC``) or to nearest."""
+    ``*_weight`` = 1 - beta; the parameter rounded stochastically (``STOCHASTIC``) or to nearest. With ``SCALED`` the
+    gradient is first multiplied by the bf16 scalar at ``coef_ptr`` (the clip's coefficient) and rounded to bf16."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = tl.load(p_ptr + offsets, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
+    if SCALED:
+        # The product of two bf16 numbers is exact in fp32; one rounding to bf16 then gives what torch's bf16 multiply
+        # (clip_grad_norm_'s, in place) stores, bit for bit.
+        g = _to_bf16_nearest(g * tl.load(coef_ptr).to(tl.float32)).to(tl.float32)
     m = tl.load(m_ptr + offsets, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=mask).to(tl.float32)
     p = p - lr * weight_decay * p

@@ -26,23 +26,27 @@ class StepSums:
     After ``all_reduce`` the totals are plain floats under their names: ``ce_sum`` (cross-entropy
     summed over label tokens), ``aux`` (the load-balancing loss, already a mean), ``tokens`` (real
     tokens), ``token_slots`` (positions computed, padding included), ``attention_sq`` (the sum of
-    squared attention spans: documents in packed rows, padded rows otherwise; data.collate) and
-    ``nonfinite`` (micro-batch losses that were NaN or inf). ``tokens_per_expert`` ([layer, expert]
-    top-k counts) arrives summed over ranks from ``router_stats`` and is only added up here.
+    squared attention spans: documents in packed rows, padded rows otherwise; data.collate),
+    ``nonfinite`` (micro-batch losses that were NaN or inf) and ``stop_requests`` (ranks that had
+    SIGTERM: ``add_stop_request``). ``tokens_per_expert`` ([layer, expert] top-k counts) arrives
+    summed over ranks from ``router_stats`` and is only added up here; it stays on the device (the
+    routing bias's update reads it there) and ``tokens_per_expert_cpu`` is its copy for the record.
     """
 
-    FIELDS = ("ce_sum", "aux", "tokens", "token_slots", "attention_sq", "nonfinite")
+    FIELDS = ("ce_sum", "aux", "tokens", "token_slots", "attention_sq", "nonfinite", "stop_requests")
 
     def __init__(self, device):
         self.values = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)  # one tensor: one all_reduce
         self.host = [0.0] * len(self.FIELDS)  # the Python numbers, added to ``values`` once, in ``all_reduce``
         self.tokens_per_expert = 0
+        self.tokens_per_expert_cpu = None
+        self.grad_norm = None
 
     def add(self, *, ce_sum, aux, tokens, token_slots, attention_sq, nonfinite, tokens_per_expert=None) -> None:
         """Add one micro-batch's numbers: tensors (on the device) or Python numbers. Nothing moves between host and
         device here: a Python number copied to the GPU would wait for all queued work (a host sync per micro-batch,
         which left the GPU idle while the host launched the next forward; bench/profile_steps.py --phases)."""
-        numbers = (ce_sum, aux, tokens, token_slots, attention_sq, nonfinite)
+        numbers = (ce_sum, aux, tokens, token_slots, attention_sq, nonfinite, 0.0)  # no stop request from a micro-batch
         zero = self.values.new_zeros(())
         for i, n in enumerate(numbers):
             if not isinstance(n, torch.Tensor):
@@ -51,13 +55,35 @@ class StepSums:
         if tokens_per_expert is not None:
             self.tokens_per_expert = self.tokens_per_expert + tokens_per_expert
 
-    def all_reduce(self, group=None) -> "StepSums":
-        """Collective: sum over the ranks of ``group``; then the totals are readable by name."""
+    def add_stop_request(self, raised: bool) -> None:
+        """This rank's SIGTERM flag (``StopSignal.raised``, read once), summed over ranks with the step's numbers:
+        the stop decision rides on the step's all_reduce instead of a collective and a host sync of its own."""
+        self.host[self.FIELDS.index("stop_requests")] += float(raised)
+
+    def all_reduce(self, group=None, grad_norm=None) -> "StepSums":
+        """Collective: sum over the ranks of ``group``; then the totals are readable by name.
+
+        One device-to-host copy reads the totals together with what the step's record needs that is already global:
+        ``tokens_per_expert`` (as ``tokens_per_expert_cpu``) and ``grad_norm`` (the global norm, a tensor or a number;
+        as the float ``self.grad_norm``). The host waits for the GPU here anyway (the stop-or-skip decision reads the
+        loss), so the record reads no device tensor after the optimizer step.
+        """
         self.values += torch.tensor(self.host, dtype=torch.float64).to(self.values.device)
         self.host = [0.0] * len(self.FIELDS)
         dist.all_reduce(self.values, group=group)
-        for name, value in zip(self.FIELDS, self.values.tolist()):
+        norm = grad_norm if isinstance(grad_norm, torch.Tensor) else self.values.new_zeros(())
+        counts = self.tokens_per_expert if isinstance(self.tokens_per_expert, torch.Tensor) else self.values.new_zeros(0)
+        # fp32 norms and integer counts are exact in float64
+        host = torch.cat([self.values, norm.detach().reshape(1).to(self.values), counts.reshape(-1).to(self.values)]).cpu()
+        n = len(self.FIELDS)
+        for name, value in zip(self.FIELDS, host[:n].tolist()):
             setattr(self, name, value)
+        if isinstance(grad_norm, torch.Tensor):
+            self.grad_norm = host[n].item()
+        elif grad_norm is not None:
+            self.grad_norm = float(grad_norm)  # train_fsdp1.py's is a number already
+        if isinstance(self.tokens_per_expert, torch.Tensor):
+            self.tokens_per_expert_cpu = host[n + 1:].view(counts.shape).to(counts.dtype)
         return self
 
 
@@ -88,7 +114,7 @@ class MetricsLog:
         # Attention's FLOPs grow with each document's span: the span that makes them sum to what was attended.
         flops = flops_per_token(self.n_active, self.config, sums.attention_sq / sums.token_slots) * sums.token_slots
         per_device = flops / step_time / self.world_size
-        tokens_per_expert = sums.tokens_per_expert
+        tokens_per_expert = sums.tokens_per_expert_cpu  # read with the sums (StepSums.all_reduce): no host sync here
         record = {
             "step": step,
             "loss": ce_loss + self.aux_coef * sums.aux,

@@ -16,7 +16,8 @@ step's aux loss is the mean over its micro-steps.
 
 Each micro-batch also adds its numbers (summed cross-entropy, the aux loss, tokens, expert load, whether
 its loss was finite) to the step's ``StepSums``; ``check`` reduces them over ranks before the optimizer
-step, so every rank logs the same record and takes the same stop-or-skip decision (nonfinite.py).
+step, so every rank logs the same record and takes the same stop-or-skip decision (nonfinite.py). The
+same all_reduce carries each rank's SIGTERM flag (stop_signal.py) when the script passes its StopSignal.
 """
 
 import torch
@@ -26,6 +27,7 @@ from megablocks_utils.moe.aux_loss import router_stats
 from megablocks_utils.train.loss import forward_with_loss
 from megablocks_utils.train.nonfinite import NonFiniteSteps
 from megablocks_utils.train.run_log import StepSums
+from megablocks_utils.train.stop_signal import StopSignal
 
 
 class StepLoss:
@@ -54,9 +56,17 @@ class StepLoss:
                       nonfinite=~torch.isfinite(loss.detach()), tokens_per_expert=stats.tokens_per_expert)
         return loss, out
 
-    def check(self, nonfinite_steps: NonFiniteSteps, grad_norm) -> bool:
-        """Collective, after the gradient clip and before the optimizer step: the sums over all ranks, then
-        whether to skip the step; raises ``NonFiniteStep`` when the run must stop (nonfinite.py)."""
-        sums = self.sums.all_reduce(self.group)
+    def check(self, nonfinite_steps: NonFiniteSteps, grad_norm, stop_signal: StopSignal | None = None) -> bool:
+        """Collective, after the gradient norm and before the optimizer step: the sums over all ranks, then
+        whether to skip the step; raises ``NonFiniteStep`` when the run must stop (nonfinite.py).
+
+        ``grad_norm`` (the global norm, a device tensor or a number) is read with the sums, in one copy
+        (``self.sums.grad_norm`` then). With ``stop_signal`` its SIGTERM flag is reduced with the sums too, and
+        ``stop_signal.stopping`` says whether any rank had it (the same on every rank; StopSignal.decide)."""
+        if stop_signal is not None:
+            self.sums.add_stop_request(stop_signal.raised)
+        sums = self.sums.all_reduce(self.group, grad_norm)
+        if stop_signal is not None:
+            stop_signal.decide(sums.stop_requests)
         loss = sums.ce_sum / self.label_tokens + self.aux_coef * sums.aux
-        return nonfinite_steps.check(self.step, loss, float(grad_norm), int(sums.nonfinite))
+        return nonfinite_steps.check(self.step, loss, sums.grad_norm, int(sums.nonfinite))

@@ -8,25 +8,31 @@ import torch.distributed as dist
 
 
 class StopSignal:
-    """SIGTERM (a scheduler's notice before preemption) only raises a flag; the ranks agree at each step's end.
+    """SIGTERM (a scheduler's notice before preemption) only raises a flag; the ranks agree on it once a step.
 
-    ``agreed()`` all-reduces a snapshot of the flag and decides on the reduced value alone: a signal that lands
-    on one rank between the all-reduce and the decision counts at the next step's end, on every rank. (Reading
-    the flag again after the all-reduce would let one rank stop and save alone while the others go on.)
+    Each rank reads the flag once, the snapshots are reduced over ranks, and every rank decides on the reduced value
+    alone (``decide``): a signal that lands on one rank after its snapshot counts at the next step, on every rank.
+    (Reading the flag again after the reduction would let one rank stop and save alone while the others go on.)
+    train_fsdp2.py reduces the snapshot with the step's sums (``StepLoss.check(..., stop_signal)``: no collective or
+    host sync of its own); ``agreed()`` is the same with an all_reduce of its own (train_fsdp1.py, at each step's end).
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.raised = False  # this rank had the signal
-        self.stopping = False  # the last agreed(): some rank had it (the same on every rank)
+        self.stopping = False  # the last decision: some rank had it (the same on every rank)
         signal.signal(signal.SIGTERM, self._raise)
 
     def _raise(self, signum, frame) -> None:
         self.raised = True
 
+    def decide(self, ranks_raised: float) -> bool:
+        """The decision from the reduced snapshots: how many ranks had the signal (the same number on every rank)."""
+        self.stopping = ranks_raised > 0
+        return self.stopping
+
     def agreed(self, group=None) -> bool:
         """Whether any rank had the signal by now. Collective: every rank calls it at the same point."""
         seen = torch.tensor([1.0 if self.raised else 0.0], device=self.device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-        self.stopping = bool(seen.item())
-        return self.stopping
+        return self.decide(seen.item())

@@ -1,5 +1,6 @@
 """adamw_bf16's Triton kernel on one GPU: the torch reference's update (tests/test_adamw_bf16.py ties that to torchao's),
-and stochastic rounding that is unbiased, on tensors that end mid-block."""
+stochastic rounding that is unbiased, on tensors that end mid-block, and the gradient clip folded into the update
+giving the bits of clipping first."""
 
 import torch
 
@@ -48,3 +49,51 @@ def test_kernel_rounds_stochastically_without_bias():
     assert abs(moved - 0.25) < 0.005, moved
     assert abs((p.double().mean().item() - 1.5) + ulp / 4) < 1e-5
     assert set(p.unique().tolist()) <= {1.5, 1.5 - ulp}
+
+
+def test_kernel_with_a_clip_coefficient_equals_the_gradient_scaled_first():
+    """The clip folded into the kernel (the gradient times the bf16 coefficient, rounded to bf16) gives the bits of the
+    gradient scaled in place first, with stochastic rounding (same seed) and without; the stored gradient is unchanged."""
+    from megablocks_utils.train.adamw_bf16 import _triton_update
+
+    coef = torch.tensor(0.3137, device="cuda").bfloat16()
+    for n in (1, 2047, 2049, 300_001):
+        for stochastic in (True, False):
+            folded, scaled_first = _tensors(n, n), _tensors(n, n)
+            grad = folded[1].clone()
+            _triton_update(*folded, **SETTINGS, seed=9, stochastic=stochastic, grad_coef=coef)
+            scaled_first[1].mul_(coef)
+            _triton_update(*scaled_first, **SETTINGS, seed=9, stochastic=stochastic)
+            assert torch.equal(folded[1], grad), n
+            for name, i in (("p", 0), ("m", 2), ("v", 3)):
+                assert torch.equal(folded[i], scaled_first[i]), (n, stochastic, name)
+
+
+def test_the_step_with_the_clip_folded_in_equals_clipping_first():
+    """AdamWBF16 on the GPU (one kernel per tensor): ``clipped_step`` after ``grad_norm_and_clip_coef`` leaves the
+    weights and moments of ``clip_grad_norm_`` followed by the plain step, bit for bit, over three steps."""
+    from megablocks_utils.parallel import grads
+    from megablocks_utils.train.adamw_bf16 import AdamWBF16
+
+    def run(fold: bool):
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).bfloat16()) for s in ((512, 384), (384,), (7, 4099))]
+        opt = AdamWBF16(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        for step in range(3):
+            g = torch.Generator(device="cuda").manual_seed(50 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g, device="cuda").bfloat16()
+            if fold:
+                norm, coef = grads.grad_norm_and_clip_coef(params, 1.0)
+                grads.clipped_step(opt, coef)
+            else:
+                norm = grads.clip_grad_norm_(params, 1.0)
+                opt.step()
+            assert norm > 1.0  # the clip scales every step
+        return params, opt
+
+    (first, first_opt), (folded, folded_opt) = run(False), run(True)
+    for p, q in zip(first, folded):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(first_opt.state[p][key], folded_opt.state[q][key])
