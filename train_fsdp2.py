@@ -346,34 +346,23 @@ log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size
                  peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
 world_group = mesh.world.get_group()
 
-def collate_rows(indices):
-    # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
-    return collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
-
-
-# step -> (its micro-batches' indices, its label tokens, its first micro-batch collated), made during the step before
-# while the host waits for the GPU: otherwise the GPU idles at each step's start while the host reads them (~16 ms of
-# a 0.46 s step at Qwen3-30B-A3B's shape on one H200, bench/profile_steps.py --phases).
-ahead = {}
 run_start = time.perf_counter()
 for step in range(start_step, total_steps):
     step_start = time.perf_counter()
-    micro_batches, step_label_tokens, first = ahead.pop(step, None) or (*batches.micro_batches(step), None)
+    micro_batches, step_label_tokens = batches.micro_batches(step)
     # Each rank's loss is world_size x its share of the step's global token mean, so FSDP's average over
     # ranks gives the global mean's gradient (megablocks_utils/train/step.py); the step's sums go with it.
     step_loss = StepLoss(step + 1, step_label_tokens, len(micro_batches), aux_coef=aux_coef, group=world_group, device=device)
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
-        batch = first if i == 0 and first is not None else collate_rows(indices)
+        # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
+        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
         loss, _ = step_loss.micro_batch(model, batch)
         loss.backward()
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
     grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)
-    if step + 1 < total_steps:  # the next step's data, while the GPU finishes this step's backward (the check waits for it)
-        upcoming, upcoming_tokens = batches.micro_batches(step + 1)
-        ahead[step + 1] = (upcoming, upcoming_tokens, collate_rows(upcoming[0]))
     # Before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm; each
     # rank's SIGTERM flag goes with them (stop_signal.stopping, read at the step's end).
     try:

@@ -148,7 +148,7 @@ def phases(args, script_args: list[str]) -> None:
         return result
 
     def timed_clip(*a, **k):
-        mark("clip, then the next step's first batch")
+        mark("clip")
         return clip(*a, **k)
 
     StepLoss.micro_batch, StepLoss.check = micro_batch, timed_check
