@@ -380,3 +380,54 @@ def test_expert_gradients_live_across_micro_steps():
     replicated = _tiny(world_size=4, shard_experts=False, gradient_accumulation_steps=2)
     assert not replicated.expert_grads_persist
     assert during_backward(replicated) == pytest.approx(max(replicated.grads, replicated.activations + replicated.logits + replicated.accumulated_grads), abs=1)
+
+
+QWEN3 = os.path.join(CONFIGS, "qwen3-30b-a3b")
+
+
+def _qwen3_lora_one_gpu(**settings):
+    plan = dict(world_size=1, nproc_per_node=1, optim="adamw_torch", max_length=4096, per_device_train_batch_size=1,
+                gradient_accumulation_steps=4, finetuning="lora")
+    plan.update(settings)
+    return estimate_memory(QWEN3, **plan)
+
+
+def test_checkpoint_experts_keeps_less_than_none_and_more_than_full():
+    """Recomputing the routed experts drops their rows, gate_up and SwiGLU outputs and the outputs the weighted sum
+    keeps (some 100 of a Qwen3 layer's 163 KB per token, measured) and nothing of attention's."""
+    config = memory.load_config(QWEN3)
+    none, full = memory.activation_bytes(config, 4096, "none"), memory.activation_bytes(config, 4096, "full")
+    experts = memory.activation_bytes(config, 4096, "none", -1, experts=True)
+    assert full < experts < none
+    per_layer_token = (none - experts) / 48 / 4096
+    assert 80e3 < per_layer_token < 140e3, per_layer_token
+    # beside full checkpointing on some layers, only the others' experts are recomputed
+    mixed = memory.activation_bytes(config, 4096, "full", 24, True)
+    assert full < mixed < experts
+
+
+@pytest.mark.parametrize("settings,allocated,reserved", [
+    (dict(activation_checkpointing="full"), 68.57, 69.64),
+    (dict(checkpoint_experts=True), 78.61, 79.54),
+    (dict(checkpoint_experts=True, optim="adamw_bf16"), 73.90, 74.62),
+], ids=["full", "experts-fp32-adapters", "experts-bf16-adapters"])
+def test_lora_estimates_cover_the_measured_peaks(settings, allocated, reserved):
+    """Qwen3-30B-A3B's 48 layers, LoRA, one H200, seq 4096, 1 x 4 (bench/lora_peft.py at the script's defaults;
+    bench/results/lora_48L_checkpoint_experts_h200_2026-11-24.jsonl): the estimate is not below what PyTorch allocated
+    and within 10% of the reserved peak, the GPU check's bar (tests/gpu/test_memory_estimate.py)."""
+    estimate = _qwen3_lora_one_gpu(**settings).total / GiB
+    assert allocated <= estimate <= 1.1 * reserved, (estimate, allocated, reserved)
+
+
+def test_fit_check_offers_checkpoint_experts_where_it_fits_for_less_work():
+    e = _qwen3_lora_one_gpu()  # no checkpointing: ~108 GiB
+    message = fit_error(e, 95 * GiB)
+    assert "--checkpoint_experts true (" in message, message
+    assert _qwen3_lora_one_gpu(checkpoint_experts=True).total <= 95 * GiB
+    full = _qwen3_lora_one_gpu(activation_checkpointing="full")
+    hint = memory.checkpointing_hint(full, 100 * GiB)
+    assert hint.startswith("activation checkpointing: --activation_checkpointing none --checkpoint_experts true would fit"), hint
+    assert memory._recompute_flops(full, activation_checkpointing="none", checkpoint_experts=True) < memory._recompute_flops(full)
+    assert "the routed experts recomputed" in memory._settings_text(_qwen3_lora_one_gpu(checkpoint_experts=True))
+    already = memory.checkpointing_hint(_qwen3_lora_one_gpu(activation_checkpointing="full", checkpoint_experts=True), 100 * GiB)
+    assert already is None or "--checkpoint_experts" not in already  # not offered twice

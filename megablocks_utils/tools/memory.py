@@ -534,11 +534,16 @@ def check_checkpointed_layers(count, num_layers: int) -> int:
 
 
 def checkpointing_text(e: "MemoryEstimate") -> str:
-    """"full", or "full on 16 of 32 layers" where only some layers are checkpointed."""
+    """"full", or "full on 16 of 32 layers" where only some layers are checkpointed; with ``checkpoint_experts``, what
+    the other layers recompute."""
     layers = e.config.num_hidden_layers
     if e.checkpointing == "none" or e.checkpointed == layers:
-        return e.checkpointing
-    return f"{e.checkpointing} on {e.checkpointed} of {layers} layers"
+        text = e.checkpointing
+    else:
+        text = f"{e.checkpointing} on {e.checkpointed} of {layers} layers"
+    if e.plan.checkpoint_experts and (e.checkpointing == "none" or e.checkpointed < layers):
+        text += (" (" if text == "none" else ", ") + "the routed experts recomputed" + (")" if text == "none" else " in the others")
+    return text
 
 
 def _positive(name: str, value) -> None:
@@ -719,13 +724,40 @@ def _try(e: MemoryEstimate, **changes) -> MemoryEstimate | None:
         return None
 
 
-def _fewest_checkpointed(e: MemoryEstimate, budget: float, mode: str, start: int = 1) -> int | None:
-    """The fewest decoder layers, from ``start``, that ``mode`` must checkpoint for the plan to fit ``budget``."""
+def _fewest_checkpointed(e: MemoryEstimate, budget: float, mode: str, start: int = 1, **changes) -> int | None:
+    """The fewest decoder layers, from ``start``, that ``mode`` must checkpoint for the plan (with ``changes``) to fit
+    ``budget``."""
     for count in range(start, e.config.num_hidden_layers + 1):
-        alt = _try(e, activation_checkpointing=mode, activation_checkpointing_layers=count)
+        alt = _try(e, activation_checkpointing=mode, activation_checkpointing_layers=count, **changes)
         if alt is not None and alt.total <= budget:
             return count
     return None
+
+
+def _recompute_flops(e: MemoryEstimate, **changes) -> float:
+    """Forward FLOPs per token that a plan (``e``'s, with ``changes``) reruns in the backward: each whole checkpointed
+    layer's (its weights' 2 x parameters touched, and attention's scores over half a row on average), or only the
+    routed experts' in the layers ``checkpoint_experts`` leaves to them. Compares plans; not a time."""
+    plan = replace(e.plan, **changes)
+    s = _shape(e.config)
+    mode = checkpointing_mode(plan.activation_checkpointing)
+    count = 0 if mode == "none" else check_checkpointed_layers(plan.activation_checkpointing_layers, s.layers)
+    chosen = _checkpointed(s, mode, count)
+    experts = 2 * s.top_k * 3 * s.hidden * s.expert_inter
+    attention = 2 * _attention_params(s) + 2 * plan.max_length * s.heads * s.head_dim
+
+    def layer(moe: bool) -> float:
+        mlp = experts + 2 * (s.num_experts * s.hidden + 3 * s.hidden * s.shared_inter) if moe else 2 * 3 * s.hidden * s.dense_inter
+        return attention + mlp
+
+    total = 0.0
+    for i in range(s.layers):
+        moe = i in s.moe_layers
+        if i in chosen:
+            total += layer(moe) if mode == "full" else 0.0  # selective reruns element-wise work only
+        elif plan.checkpoint_experts and moe:
+            total += experts
+    return total
 
 
 def checkpointing_hint(estimate: MemoryEstimate, gpu_memory_bytes: float, use: float = 0.9) -> str | None:
@@ -733,17 +765,36 @@ def checkpointing_hint(estimate: MemoryEstimate, gpu_memory_bytes: float, use: f
     estimate's margin), a line saying how many: each layer left out recomputes nothing and runs faster."""
     if estimate.checkpointing == "none":
         return None
-    count = _fewest_checkpointed(estimate, use * gpu_memory_bytes, estimate.checkpointing, start=0)
+    budget, layers = use * gpu_memory_bytes, estimate.config.num_hidden_layers
+    count = _fewest_checkpointed(estimate, budget, estimate.checkpointing, start=0)
     if count is None or count >= estimate.checkpointed:
+        count = None
+    elif count == 0:
+        alt = _try(estimate, activation_checkpointing_layers=0)
+        return f"activation checkpointing: none would fit {_within(alt, use, gpu_memory_bytes)}; --activation_checkpointing none recomputes nothing and runs faster"
+    # Recomputing only the routed experts (most of a MoE layer's activations, a small part of its work) in the layers
+    # left out is cheaper than recomputing whole layers: fewer whole layers with it are faster still.
+    with_experts = None
+    if not estimate.plan.checkpoint_experts and estimate.counts.moe_layers:
+        with_experts = _fewest_checkpointed(estimate, budget, estimate.checkpointing, start=0, checkpoint_experts=True)
+    other = estimate.checkpointed if count is None else count  # whole layers recomputed without it
+    if with_experts is not None and _recompute_flops(estimate, activation_checkpointing_layers=with_experts, checkpoint_experts=True) < \
+            _recompute_flops(estimate, activation_checkpointing_layers=other):
+        alt = _try(estimate, activation_checkpointing_layers=with_experts, checkpoint_experts=True)
+        flag = ("--activation_checkpointing none" if with_experts == 0 else f"--activation_checkpointing_layers {with_experts}")
+        return (f"activation checkpointing: {flag} --checkpoint_experts true would fit {_within(alt, use, gpu_memory_bytes)}; "
+                f"it recomputes the routed experts of the other layers instead of whole layers: less work")
+    if count is None:
         return None
     alt = _try(estimate, activation_checkpointing_layers=count)
-    within = f"(estimated {_gib(alt.total)}, within {use:.0%} of the GPU's {_gib(gpu_memory_bytes)})"
-    if count == 0:
-        return f"activation checkpointing: none would fit {within}; --activation_checkpointing none recomputes nothing and runs faster"
     return (
-        f"activation checkpointing: {count} of {estimate.config.num_hidden_layers} layers would be enough {within}; "
+        f"activation checkpointing: {count} of {layers} layers would be enough {_within(alt, use, gpu_memory_bytes)}; "
         f"--activation_checkpointing_layers {count} recomputes fewer layers and runs faster"
     )
+
+
+def _within(alt: MemoryEstimate, use: float, gpu_memory_bytes: float) -> str:
+    return f"(estimated {_gib(alt.total)}, within {use:.0%} of the GPU's {_gib(gpu_memory_bytes)})"
 
 
 def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
@@ -762,6 +813,8 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
         if optim != p.optim:
             offer(f"--optim {optim}", optim=optim)
     layers = e.config.num_hidden_layers
+    if not p.checkpoint_experts and e.counts.moe_layers:  # the routed experts recomputed: the cheapest memory to give
+        offer("--checkpoint_experts true", checkpoint_experts=True)
     for mode in CHECKPOINTING[max(1, CHECKPOINTING.index(e.checkpointing)) :]:
         # the fewest checkpointed layers that fit (the fastest), more than today's where the mode is today's
         start = e.checkpointed + 1 if mode == e.checkpointing else 1
