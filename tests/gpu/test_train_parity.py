@@ -31,12 +31,15 @@ def test_ep2_equals_ep1_dp2(tiny_model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def compile_runs(tiny_model_dir, tmp_path_factory) -> dict:
-    """compile_dense true and false on one GPU, fp32 and bf16, and bf16 compiled under full activation checkpointing;
-    the five launches together. The loss from full logits in every run: compile_dense also compiles the chunked loss's
+    """compile_dense true and false on one GPU, fp32 and bf16, and compiled under full activation checkpointing (bf16)
+    and under checkpoint_experts (fp32 and bf16: the compiled SwiGLU and the Triton gathers recomputed); the seven
+    launches together. The loss from full logits in every run: compile_dense also compiles the chunked loss's
     element-wise step, whose last-bit differences in fp32 grew to 2.5e-4 over 20 steps (one H200, 2026-11-24); the
     compiled chunked loss has its own checks (test_chunked_loss.py), this test is about attention and norms."""
     runs = {"fp32_compiled": ("fp32", "true"), "fp32_eager": ("fp32", "false"), "bf16_compiled": ("bf16", "true"),
-            "bf16_eager": ("bf16", "false"), "bf16_compiled_ac": ("bf16", "true", "--activation_checkpointing", "full")}
+            "bf16_eager": ("bf16", "false"), "bf16_compiled_ac": ("bf16", "true", "--activation_checkpointing", "full"),
+            "fp32_compiled_experts": ("fp32", "true", "--checkpoint_experts", "true"),
+            "bf16_compiled_experts": ("bf16", "true", "--checkpoint_experts", "true")}
     root = tmp_path_factory.mktemp("compile")
     out = {name: str(root / name) for name in runs}
     launch_together({name: train_fsdp2(1, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, "--dtype", dtype,
@@ -51,7 +54,14 @@ def test_compiled_attention_and_norms_equal_eager_in_fp32(compile_runs):
     assert worst_relative(compile_runs["fp32_compiled"], compile_runs["fp32_eager"], "grad_norm") <= 1e-5
 
 
-@pytest.mark.parametrize("run", ["bf16_compiled", "bf16_compiled_ac"])
+def test_recomputing_the_experts_changes_nothing_in_fp32(compile_runs):
+    """checkpoint_experts reruns the experts' kernels (compiled SwiGLU, Triton gathers) in the backward: the same
+    training as keeping their activations, to fp32 rounding."""
+    assert worst_relative(compile_runs["fp32_compiled_experts"], compile_runs["fp32_compiled"], "loss") <= 1e-5
+    assert worst_relative(compile_runs["fp32_compiled_experts"], compile_runs["fp32_compiled"], "grad_norm") <= 1e-5
+
+
+@pytest.mark.parametrize("run", ["bf16_compiled", "bf16_compiled_ac", "bf16_compiled_experts"])
 def test_compiled_attention_and_norms_equal_eager_in_bf16(compile_runs, run):
     """Also with full activation checkpointing around the compiled parts (measured on 4 H200s: 3.4e-4, with
     checkpointing 4.3e-4)."""
