@@ -1,5 +1,5 @@
 """What the GPU tests share: the skip mark, a runner of a function on N GPU ranks (NCCL, one process per
-GPU), and concurrent launches of the training scripts. Imports nothing CUDA-only."""
+GPU), concurrent launches of the training scripts, and a host-sync check. Imports nothing CUDA-only."""
 
 import json
 import os
@@ -22,6 +22,20 @@ def gpus(n: int):
     """Skip unless this machine has ``n`` CUDA GPUs (device_count creates no CUDA context; 0 on a CPU build)."""
     found = torch.cuda.device_count()
     return pytest.mark.skipif(found < n, reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}, found {found}")
+
+
+def host_sync_error(fn) -> str:
+    """Call ``fn`` (already warmed up: compiling syncs) under CUDA's sync debug mode "error": "" if it made no host
+    sync, else the start of the error that names it."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return ""
+    except RuntimeError as e:
+        return str(e)[:500]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def free_port() -> int:

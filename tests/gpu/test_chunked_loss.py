@@ -10,7 +10,7 @@ test per claim.
 import pytest
 import torch
 
-from .launch import gpus, run_on_gpus
+from .launch import gpus, host_sync_error, run_on_gpus
 
 pytestmark = gpus(1)
 ROWS, HIDDEN, VOCAB = 4096, 2048, 151936
@@ -75,17 +75,13 @@ def measure(rank, world):
     w = weight.to(torch.bfloat16).detach().requires_grad_()
     with torch.no_grad():  # compiles the loss-only step first: compiling syncs, a training step does not
         chunked_loss_sum(h[0], w, targets, chunk_rows, fuse=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def train_step_and_loss():
         (scale * chunked_loss_sum(h[0], w, targets, chunk_rows, fuse=True)).backward()
         with torch.no_grad():
             chunked_loss_sum(h[0], w, targets, chunk_rows, fuse=True)
-        found["host_sync"] = ""
-    except RuntimeError as e:
-        found["host_sync"] = str(e)[:500]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    found["host_sync"] = host_sync_error(train_step_and_loss)
     return found
 
 

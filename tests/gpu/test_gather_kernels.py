@@ -11,7 +11,7 @@ Shapes: Qwen3-30B-A3B's (4096 tokens, k = 8, H = 2048) and Mixtral's (k = 2, H =
 import pytest
 import torch
 
-from .launch import gpus, run_on_gpus
+from .launch import gpus, host_sync_error, run_on_gpus
 
 pytestmark = gpus(1)
 
@@ -111,15 +111,7 @@ def measure(rank, world):
     # No host sync in the forward or the backward once the kernels are compiled.
     tensors = inputs(*SHAPES["qwen3"], torch.bfloat16)
     run("triton", *tensors)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run("triton", *tensors)
-        found["host_sync"] = ""
-    except RuntimeError as e:
-        found["host_sync"] = str(e)[:500]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    found["host_sync"] = host_sync_error(lambda: run("triton", *tensors))
     return found
 
 

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from .launch import gpus, run_on_gpus
+from .launch import gpus, host_sync_error, run_on_gpus
 
 pytestmark = gpus(1)
 
@@ -49,15 +49,7 @@ def host_sync_at_ep1() -> str:
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     top_w, top_i = torch.rand(2048, 4, device="cuda").softmax(-1), torch.randint(0, 8, (2048, 4), device="cuda")
     experts(x, top_i, top_w).float().square().sum().backward()  # warm-up: compiles the element-wise kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        experts(x, top_i, top_w).float().square().sum().backward()
-        return ""
-    except RuntimeError as e:
-        return str(e)[:500]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    return host_sync_error(lambda: experts(x, top_i, top_w).float().square().sum().backward())
 
 
 def measure(rank, world):
