@@ -183,6 +183,7 @@ from megablocks_utils.train.output_dir import (
 )
 from megablocks_utils.train.run_log import MetricsLog
 from megablocks_utils.train.step import StepLoss
+from megablocks_utils.train.step_clock import StepClock
 from megablocks_utils.train.stop_signal import StopSignal
 from megablocks_utils.train.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
@@ -347,8 +348,9 @@ log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size
 world_group = mesh.world.get_group()
 
 run_start = time.perf_counter()
+clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
 for step in range(start_step, total_steps):
-    step_start = time.perf_counter()
+    clock.start()
     micro_batches, step_label_tokens = batches.micro_batches(step)
     # Each rank's loss is world_size x its share of the step's global token mean, so FSDP's average over
     # ranks gives the global mean's gradient (megablocks_utils/train/step.py); the step's sums go with it.
@@ -372,6 +374,7 @@ for step in range(start_step, total_steps):
             progress.close()  # the message on a line of its own
         saved = [(int(os.path.basename(c)[5:]), c) for c in complete_checkpoints(checkpoint_root)]
         fail(f"{e}; stopped without applying or saving this step; {where_to_continue(e.step, saved, '--resume', '--save_steps N')}")
+    step_time = clock.lap()  # since the previous step's check: the host has just waited for the GPU there
     if not skipped:
         # adamw_bf16 multiplies each gradient by clip_coef as its update reads it (one pass over them fewer);
         # the other optimizers' gradients are scaled first. The same numbers either way.
@@ -380,11 +383,14 @@ for step in range(start_step, total_steps):
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
     optimizer.zero_grad(set_to_none=True)
-    if use_cuda:
-        torch.cuda.synchronize(device)  # the step's time includes the optimizer's GPU work
-    step_time = time.perf_counter() - step_start
+    # No sync here: the host reads and launches the next step while the GPU runs this one's optimizer. Before an eval, a
+    # checkpoint or the end, the GPU drains and this step's time takes its optimizer (they are not training time).
+    evaluating = eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps)
+    saving = save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps)
+    if evaluating or saving or stop_signal.stopping or step + 1 == total_steps:
+        step_time += clock.drain()
     evaluated = None  # the eval loss (after the step's timing): every eval_steps steps and at the end
-    if eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
+    if evaluating:
         evaluated = eval_loss(model, eval_set, per_device_train_batch_size, tokenizer.pad_token_id, device, world_group,
                               max_length, attention)
     # The step's record, the same on every rank, from numbers the host read before the optimizer step (no host
@@ -398,7 +404,7 @@ for step in range(start_step, total_steps):
         if (step + 1) % logging_steps == 0:
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", gnorm=f"{record['grad_norm']:.2f}",
                                  **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}))
-    if save_steps > 0 and ((step + 1) % save_steps == 0 or step + 1 == total_steps):
+    if saving:
         checkpoint(step + 1)
     if stop_signal.stopping and step + 1 < total_steps:  # decided in step_loss.check, the same on every rank
         if save_steps <= 0 or (step + 1) % save_steps != 0:

@@ -18,6 +18,8 @@ change that saves host time with bench/real_data.py, unprofiled (torchao's per-t
 """
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import re
@@ -167,8 +169,13 @@ def phases(args, script_args: list[str]) -> None:
         marks.clear()
         if args.sync_debug and len(steps) == args.wait + args.active - 1:
             watch_syncs()  # the last measured step: every host sync it makes, and where from
+        if args.host_profile and len(steps) == args.wait + args.active - 1:
+            host_profile.enable()  # the last measured step's Python calls (the main thread: forwards, optimizer)
         mark("data + collate")  # the next step's first mark: the GPU has just synced, so it is idle here
         if len(steps) == args.wait + args.active:
+            if args.host_profile:
+                host_profile.disable()
+                report_host_profile(host_profile)
             if args.sync_debug:
                 torch.cuda.set_sync_debug_mode(0)
                 print(f"host syncs in one step: {sum(syncs.values())}", flush=True)
@@ -178,6 +185,7 @@ def phases(args, script_args: list[str]) -> None:
             os._exit(0)
 
     syncs: dict[str, int] = {}
+    host_profile = cProfile.Profile() if args.host_profile else None
 
     def watch_syncs() -> None:
         """torch's sync debug mode warns at each synchronizing CUDA call; count them by the Python stack that made them."""
@@ -200,6 +208,18 @@ def phases(args, script_args: list[str]) -> None:
     sys.argv = [os.path.join(ROOT, "train_fsdp2.py"), *script_args]
     runpy.run_path(sys.argv[0], run_name="__main__")
     raise SystemExit("train_fsdp2.py ended before the measured steps; raise its max_steps")
+
+
+def report_host_profile(prof) -> None:
+    """The functions that took the most host time in the profiled step, by own time and with their callees (cProfile
+    adds ~1 us per Python call, so Python-heavy paths look slower than they are: read the ranking, not the sums)."""
+    import pstats
+
+    for order in ("tottime", "cumulative"):
+        stream = io.StringIO()
+        pstats.Stats(prof, stream=stream).sort_stats(order).print_stats(35)
+        text = stream.getvalue()
+        print(f"--- host time of one step by {order}\n" + text[text.find("ncalls"):], flush=True)
 
 
 def report_phases(args, steps: list[list[tuple[str, float, float]]]) -> None:
@@ -294,6 +314,7 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="no profiler: CUDA events at each phase of the step (host vs GPU time)")
     p.add_argument("--layer_marks", action="store_true", help="--phases: a mark where each decoder layer's forward starts")
     p.add_argument("--sync_debug", action="store_true", help="--phases: list the host syncs of the last measured step, by stack")
+    p.add_argument("--host_profile", action="store_true", help="--phases: cProfile the last measured step's host time")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args, script_args = p.parse_known_args()
     if args.inner:
@@ -310,7 +331,7 @@ def main() -> None:
                "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--wait", str(args.wait),
                "--active", str(args.active), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
                *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),
-               *(["--sync_debug"] if args.sync_debug else []),
+               *(["--sync_debug"] if args.sync_debug else []), *(["--host_profile"] if args.host_profile else []),
                # train_fsdp2.py's settings: its defaults, the bench batch of bench/real_data.py
                "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", out_dir, "--overwrite_output_dir", "true",
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),

@@ -454,3 +454,18 @@ def test_sigterm_between_the_all_reduce_and_the_decision_counts_next_step_on_eve
     """A rank signalled just after the step's all-reduce does not stop (and save) alone: each step's decision is
     the all-reduced value only."""
     run_ranks(check_stop_signal_is_agreed, 2)
+
+
+def test_step_clock_laps_tile_the_training_time_and_leave_out_what_follows_a_drain(monkeypatch):
+    from megablocks_utils.train import step_clock
+
+    now = iter([0.0, 1.0, 2.5, 3.0, 10.0, 11.0])  # step 1 starts, its check; step 2's check, a drain; step 3 after an eval
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: next(now))
+    clock = step_clock.StepClock(torch.device("cpu"))
+    clock.start()
+    first = clock.lap()
+    clock.start()  # the lap runs on from step 1's check: no new mark
+    second = clock.lap() + clock.drain()  # step 2: its forwards and backwards, then its optimizer up to the drain
+    clock.start()  # after the drain (an eval from 3.0 to 10.0): a new mark
+    third = clock.lap()
+    assert (first, second, third) == (1.0, 2.0, 1.0)  # 3.0 + 1.0 of training, the 7.0 between left out

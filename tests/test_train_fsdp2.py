@@ -51,6 +51,10 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     assert last < first - 0.5, (first, last)
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert SUMMARY_FIELDS <= set(summary)
+    # the steps' times tile the run's training time (train/step_clock.py): the evals between them left out
+    step_times = sum(r["step_time_s"] for r in records)
+    print(f"step times {step_times:.3f} s of train_runtime {summary['train_runtime']:.3f} s")
+    assert 0.5 * summary["train_runtime"] < step_times < summary["train_runtime"]
     assert sum(r["tokens"] for r in records) / sum(r["token_slots"] for r in records) > 0.9  # packed rows
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
