@@ -345,7 +345,8 @@ def routing_skew(s: Session) -> str:
          option("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)"),
          option("--warmup", type=int, default=4), option("--steps", type=int, default=16), option("--chat_steps", type=int, default=46),
          option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"),
-         option("--base", default="", help="also the same runs at an earlier commit (a copy of it, e.g. git archive C | tar -x -C DIR)"))
+         option("--base", default="", help="also the same runs at an earlier commit (a copy of it, e.g. git archive C | tar -x -C DIR)"),
+         option("--base_runs", default="", help="--base: only these runs at the earlier commit (default: --runs)"))
 def real_data(s: Session) -> str:
     """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows and routing.
 
@@ -363,7 +364,9 @@ def real_data(s: Session) -> str:
     routing = "" if a.routing == "own" else "_" + a.routing.replace(":", "")
     s.run(f"{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1))
     if a.base:  # its own bench/real_data.py and train_fsdp2.py; the same checkpoint (/tmp/<shape>-L<layers>) and rows
-        s.run(f"base_{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1), cwd=os.path.abspath(a.base))
+        base_runs = a.base_runs or runs
+        command[command.index("--runs") + 1] = base_runs
+        s.run(f"base_{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(base_runs.split(",")) + 1), cwd=os.path.abspath(a.base))
     return real_data_table([dict(r, run=("base " if r["name"].startswith("base_") else "") + r.get("run", r["name"])) for r in s.records])
 
 

@@ -2,6 +2,7 @@
 
 import os
 import re
+import weakref
 from datetime import timedelta
 
 import torch
@@ -32,7 +33,15 @@ def check_backend(moe_backend: str, device_type: str | None = None) -> None:
         check_megablocks(device_type)
 
 
+# shard_moe's blocks per model: the same objects under every later wrapper (checkpointing, compile, FSDP), read at every
+# forward (the router's recording hook, router_stats), where walking the whole module tree twice per micro-batch cost
+# host time the GPU waited for.
+_SHARDED_BLOCKS: "weakref.WeakKeyDictionary[nn.Module, list[ExpertParallelMoE]]" = weakref.WeakKeyDictionary()
+
+
 def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
+    if model in _SHARDED_BLOCKS:
+        return _SHARDED_BLOCKS[model]
     return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
 
 
@@ -245,6 +254,7 @@ def shard_moe(
         new.experts.set_weights(*(_as_expert_dtensor(t, mesh) for t in tensors))
     if ckpt is not None:
         ckpt.close()
+    _SHARDED_BLOCKS[model] = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     model.register_forward_pre_hook(_start_recording_router)
     # transformers' own aux loss would look for its router class's outputs and find none; ours is
     # computed over the global token set by aux_loss.router_stats instead.
