@@ -28,7 +28,7 @@ from megablocks_utils.train.loss import IGNORE_INDEX
 @pytest.mark.parametrize("model_type, device, masked, expected", [
     ("mixtral", "cuda", True, "varlen"),
     ("qwen3_moe", "cuda", True, "varlen"),
-    ("mixtral", "cuda", False, "sdpa"),  # full rows of one document: only the causal triangle
+    ("mixtral", "cuda", False, "sdpa_causal"),  # full rows of one document: only the causal triangle
     ("gpt_oss", "cuda", True, "flex_attention"),  # sinks: not in the varlen kernel
     ("gpt_oss", "cuda", False, "flex_attention"),  # sinks: no sdpa kernel
     ("mixtral", "cpu", True, "sdpa"),
@@ -47,7 +47,7 @@ def test_fp32_on_a_gpu_gets_no_varlen():
     """The flash varlen kernel refuses fp32 (found by tests/gpu, 2026-11-24): auto leaves it, an explicit ask is an error."""
     config = tiny_moe_config("mixtral")
     assert choose_attention("auto", config, "cuda", dtype=torch.float32)[0] == "flex_attention"
-    assert choose_attention("auto", config, "cuda", masked=False, dtype=torch.float32)[0] == "sdpa"
+    assert choose_attention("auto", config, "cuda", masked=False, dtype=torch.float32)[0] == "sdpa_causal"
     assert choose_attention("auto", config, "cuda", dtype=torch.bfloat16)[0] == "varlen"
     with pytest.raises(AttentionChoiceError, match="runs in bf16 or fp16, not float32"):
         choose_attention("varlen", config, "cuda", dtype=torch.float32)
@@ -198,3 +198,33 @@ def test_only_rows_with_padding_or_several_documents_need_a_mask(tokenizer, tmp_
 def test_a_row_longer_than_the_fixed_length_is_refused(samples, tokenizer):
     with pytest.raises(ValueError, match="does not fit the collator's length 8"):
         collate([samples[0]], tokenizer.pad_token_id, "cpu", 8)
+
+
+def test_sdpa_causal_gives_sdpas_losses_and_gradients_on_whole_rows_and_refuses_a_mask(tiny_model_dir, samples, tokenizer):
+    """auto's kernel for rows that are each one whole document: transformers' sdpa with no mask built, the same numbers
+    as sdpa (which builds none either there, but checks the positions with a host sync first); a row that needs a mask
+    is an error, not a silently wrong attention."""
+    attention.register_sdpa_causal()
+    length = min(len(samples[i]["input_ids"]) for i in (0, 1))  # both cut to one length: whole rows, no padding
+    rows = [collate([{k: samples[i][k][:length] for k in ("input_ids", "labels")}], tokenizer.pad_token_id, "cpu", length)
+            for i in (0, 1)]
+    assert length > 8 and all(r["attention_mask"].all() for r in rows)
+    results = []
+    for kernel in ("sdpa", "sdpa_causal"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=kernel)
+        losses = []
+        for row in rows:
+            loss, mask = per_token_losses(model, dict(row, model_inputs={**row["model_inputs"], "attention_mask": None}))
+            loss[mask].sum().backward()
+            losses.append(loss[mask].detach())
+        results.append((torch.cat(losses), [p.grad.clone() for p in model.parameters()]))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for x, y in zip(grads_b, grads_a):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    # transformers drops a mask it has no mask function for, so the collator refuses the rows instead
+    packed = pack_dataset(samples.select(range(4)), 1024, seed=0)[0]
+    for batch in ([packed], [samples[0], samples[1]]):  # several documents; padding
+        with pytest.raises(ValueError, match="padding or several documents"):
+            collate(batch, tokenizer.pad_token_id, "cpu", 1024, "sdpa_causal")

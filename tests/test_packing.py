@@ -117,21 +117,3 @@ def test_packed_text_records_give_the_unpacked_loss(tiny_model_dir, tokenizer, t
         loss, mask = per_token_losses(model, collate([packed[0]], tokenizer.pad_token_id, "cpu", 1024))
     assert int(mask.sum()) == sum(int(m.sum()) for _, m in alone) == packed[0]["num_label_tokens"]
     torch.testing.assert_close(loss[mask].sum(), sum(l[m].sum() for l, m in alone), rtol=1e-5, atol=1e-5)
-
-
-def test_rows_of_one_whole_document_go_without_positions_and_give_the_same_losses(tiny_model_dir, samples, tokenizer):
-    """A packed row that is one document filling the row needs no position_ids (transformers would check them for
-    packed documents with a host sync at every forward): the model's own 0..L-1 give the losses the positions give."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    whole = [dict(pack_dataset(samples.select([i]), len(samples[i]["input_ids"]), seed=0)[0]) for i in (0, 5)]
-    length = max(len(r["input_ids"]) for r in whole)
-    whole = [r for r in whole if len(r["input_ids"]) == length] or whole[:1]  # rows of exactly `length` tokens
-    batch = collate(whole, tokenizer.pad_token_id, "cpu", length)
-    assert batch["position_ids"] is None and batch["model_inputs"]["position_ids"] is None
-    positioned = dict(batch, model_inputs={**batch["model_inputs"], "position_ids": torch.arange(length).repeat(len(whole), 1)})
-    a, mask = per_token_losses(model, batch)
-    b, _ = per_token_losses(model, positioned)
-    torch.testing.assert_close(a[mask], b[mask], rtol=0, atol=0)
-    # a row with a second document (or padding) keeps its positions
-    padded = collate(whole, tokenizer.pad_token_id, "cpu", length + 3)
-    assert padded["position_ids"] is not None and padded["position_ids"][0, length:].tolist() == [0, 1, 2]

@@ -119,7 +119,7 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
     positions restart at 0), in an unpacked one it is masked by the attention mask.
 
     ``model_inputs``: the keyword arguments of the model's forward. Packed rows carry per-document
-    ``position_ids`` (none where every row is one document filling it) and no attention mask, so transformers keeps documents apart (a block mask for flex, a dense
+    ``position_ids`` and no attention mask, so transformers keeps documents apart (a block mask for flex, a dense
     mask for sdpa/eager); for ``attention="varlen"`` they also carry the documents' cumulative lengths
     (``attention.varlen_inputs``), computed here, on the host, once per micro-batch.
     ``real`` marks real tokens (for the router statistics and token counts). ``attention_sq``: the sum of squared
@@ -147,15 +147,15 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
             starts = torch.cat([(positions[i, :n] == 0).nonzero().flatten(), torch.tensor([n])])
             attention_sq += int((starts.diff() ** 2).sum())
         positions[i, n:] = torch.arange(length - n)  # the padding after the last document is a document of its own
+    if attention == "sdpa_causal" and not (bool(real.all()) and bool((positions == torch.arange(length)).all())):
+        raise ValueError("attention 'sdpa_causal' masks nothing but the causal triangle: this micro-batch has padding or "
+                         "several documents in a row; use 'sdpa', 'flex_attention' or 'varlen' (attn_implementation 'auto' "
+                         "picks sdpa_causal only when every row is one whole document)")
     to_device = _copier(device)
-    # Rows that are each one document filling the row go without positions: the model counts 0..length-1 itself, and
-    # given positions and no mask, transformers checks them for packed documents with a host sync (masking_utils'
-    # find_packed_sequence_indices), which emptied the GPU's queue at every forward (bench/profile_steps.py).
-    whole_rows = packed and bool((positions == torch.arange(length)).all())
     inputs = {
         "input_ids": to_device(input_ids),
         "attention_mask": None if packed else to_device(real),
-        "position_ids": to_device(positions) if packed and not whole_rows else None,
+        "position_ids": to_device(positions) if packed else None,
         "use_cache": False,  # with a cache, transformers would not keep packed documents apart
     }
     if attention == "varlen":

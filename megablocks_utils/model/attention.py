@@ -13,6 +13,10 @@ to mask, and the kernels differ in how they do it:
   cumulative lengths, which the collator computes on the host once per micro-batch. No mask at all. Registered with
   transformers' public ``AttentionInterface``.
 - ``eager``: transformers' reference (matmul + softmax); the CPU choice for models with attention sinks.
+- ``sdpa_causal`` (``auto``'s pick for rows that are each one whole document, on GPU): transformers' sdpa with no
+  mask at all, the kernel's causal triangle only. With sdpa itself transformers checks the position ids for packed
+  documents before every forward, a host sync that emptied the GPU's queue each micro-batch (bench/profile_steps.py
+  --sync_debug); a kernel name transformers has no mask function for skips that check, as ``varlen`` does.
 
 ``auto`` (the default), on GPU: ``varlen`` where the model allows it (BENCHMARKS.md, "Real data at full speed",
 measured it against ``flex_attention`` and ``sdpa`` on the same rows), else ``flex_attention`` (attention sinks,
@@ -52,7 +56,9 @@ def choose_attention(requested: str, config, device_type: str, masked: bool = Tr
                 return "eager", f"auto: eager (CPU; {spec.model_type}'s attention sinks have no sdpa kernel, flex no CPU backward)"
             return "sdpa", "auto: sdpa (CPU)"
         if not masked and not sinks:
-            return "sdpa", "auto: sdpa (GPU; every row is one whole document: nothing to mask but the causal triangle)"
+            register_sdpa_causal()
+            return "sdpa_causal", ("auto: sdpa_causal (GPU; every row is one whole document: nothing to mask but the causal "
+                                   "triangle, so no mask is built)")
         blocker = _varlen_blocker(spec, config, dtype)
         if blocker is None:
             register_varlen()
@@ -148,6 +154,25 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     window = sliding_window - 1 if sliding_window else -1  # transformers' window counts the token itself
     out = _varlen_kernel(q, k, v, cu_seq_lens_q, max_length_q, scaling, window)
     return out.view(b, length, heads, dim)[..., :v_dim], None
+
+
+def sdpa_causal_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention with only the causal triangle (``is_causal``): for rows that are each one whole
+    document, where there is nothing else to mask (``choose_attention``); a mask given here is refused, not ignored."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None:
+        raise ValueError("attn_implementation 'sdpa_causal' is for rows that are each one whole document, without an "
+                         "attention mask; rows with padding or several documents need 'sdpa', 'flex_attention' or 'varlen'")
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def register_sdpa_causal() -> None:
+    """Make ``attn_implementation="sdpa_causal"`` known to transformers (its public AttentionInterface, no mask function:
+    so transformers builds no mask and makes no check of the positions); idempotent."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa_causal", sdpa_causal_attention)
 
 
 def register_varlen() -> None:
