@@ -2,6 +2,7 @@
 
     python bench/optim_step.py --shape qwen3_30b_a3b --layers 12 [--out bench/results/optim_step.jsonl]
     python bench/optim_step.py --variants adamw_bf16_clip,adamw_bf16_clip_folded  # the clip folded into adamw_bf16
+    python bench/optim_step.py --variants adamw_bf16_per_tensor,adamw_bf16  # one launch per tensor, then one for all
 
 Parameters (bf16, or fp32 for adamw_torch) and gradients of the shapes a ``--shape`` model with ``--layers`` layers has
 (bench/real_data.py's SHAPES, built on the meta device), random; each variant runs ``--warmup`` steps, then ``--steps``
@@ -50,14 +51,26 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, host
 
 
+def adamw_bf16(params, variant: str):
+    """AdamWBF16 as build_optimizer makes it; one launch per tensor for a ``*_per_tensor`` variant."""
+    from megablocks_utils.train.adamw_bf16 import AdamWBF16
+    from megablocks_utils.train.optim import build_optimizer
+
+    if variant.endswith("_per_tensor"):
+        return AdamWBF16([{"params": params}], lr=1e-5, betas=(0.9, 0.95), multi_tensor=False)
+    return build_optimizer("adamw_bf16", [{"params": params}], lr=1e-5, betas=(0.9, 0.95), device_type="cuda")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--variants", default="torchao_sr,adamw_bf16,torch_fused_bf16,clip",
-                   help="torchao_sr / torchao_nearest (torchao's _AdamW), adamw_bf16 (ours: AdamWBF16), torch_fused_bf16, clip; "
+    p.add_argument("--variants", default="torchao_sr,adamw_bf16_per_tensor,adamw_bf16,torch_fused_bf16,clip",
+                   help="torchao_sr / torchao_nearest (torchao's _AdamW), adamw_bf16 (ours: AdamWBF16, one launch for "
+                        "all tensors) / adamw_bf16_per_tensor (one launch per tensor: multi_tensor=False), "
+                        "torch_fused_bf16, clip; "
                         "adamw_bf16_clip (clip_grad_norm_, then the step) / adamw_bf16_clip_folded (the norm, then the step "
-                        "applying the clip's coefficient: clipped_step, as train_fsdp2.py)")
+                        "applying the clip's coefficient: clipped_step, as train_fsdp2.py), each with _per_tensor too")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=os.path.join(BENCH, "results", "optim_step.jsonl"))
@@ -78,21 +91,17 @@ def main() -> None:
         if variant == "clip":
             step = lambda: grads.clip_grad_norm_(params, 1.0)  # noqa: E731
             moved = numel * dtype.itemsize * 3  # norm: read; scale: read + write
-        elif variant in ("adamw_bf16_clip", "adamw_bf16_clip_folded"):
-            from megablocks_utils.train.optim import build_optimizer
-
-            opt = build_optimizer("adamw_bf16", [{"params": params}], lr=1e-5, betas=(0.9, 0.95), device_type="cuda")
-            if variant == "adamw_bf16_clip":
-                step = lambda: (grads.clip_grad_norm_(params, 1.0), opt.step())  # noqa: E731
-                moved = numel * dtype.itemsize * 10  # the clip's 3 passes, then the step's 7
-            else:
+        elif variant.startswith("adamw_bf16_clip"):
+            opt = adamw_bf16(params, variant)
+            if variant.startswith("adamw_bf16_clip_folded"):
                 step = lambda: grads.clipped_step(opt, grads.grad_norm_and_clip_coef(params, 1.0)[1])  # noqa: E731
                 moved = numel * dtype.itemsize * 8  # the norm's read, then the step's 7
+            else:
+                step = lambda: (grads.clip_grad_norm_(params, 1.0), opt.step())  # noqa: E731
+                moved = numel * dtype.itemsize * 10  # the clip's 3 passes, then the step's 7
         else:
-            if variant == "adamw_bf16":
-                from megablocks_utils.train.optim import build_optimizer
-
-                opt = build_optimizer("adamw_bf16", [{"params": params}], lr=1e-5, betas=(0.9, 0.95), device_type="cuda")
+            if variant.startswith("adamw_bf16"):
+                opt = adamw_bf16(params, variant)
             elif variant.startswith("torchao"):
                 import torchao.optim
 

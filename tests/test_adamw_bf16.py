@@ -1,6 +1,7 @@
 """adamw_bf16's optimizer (``AdamWBF16``): torchao's update, step for step, and its stochastic rounding unbiased.
 
-The Triton kernel is checked against the same reference on a GPU (tests/gpu/test_optimizers.py)."""
+The Triton kernels are checked against the same reference on a GPU (tests/gpu/test_adamw_bf16_kernel.py); here, in
+Triton's CPU interpreter, the clip folded into the kernel and the multi-tensor kernel against the per-tensor one."""
 
 import os
 import subprocess
@@ -84,6 +85,46 @@ def test_the_optimizer_draws_its_noise_from_the_cpu_generator():
     assert not all(torch.equal(x, z) for x, z in zip(a, c))
 
 
+def test_each_tensor_gets_its_own_seed_and_bias_corrections_as_one_draw_per_tensor_gave_them():
+    """Three steps on two parameter groups (other betas, lr and weight decay; a parameter without a gradient; one with
+    its own step count) give the bits of ``_reference_update`` called per tensor with a seed drawn per tensor from the
+    CPU generator, in the parameters' order, and the bias corrections of that tensor's fp32 step count: the seeds drawn
+    in one call are those of one call per tensor, so a run resumed from an older checkpoint rounds as before."""
+    settings = ({"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01},
+                {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0})
+    shapes = ((64, 48), (48,), (3, 16, 8), (5,), (7, 9))
+    ours, expected = _params(3, shapes), _params(3, shapes)
+    opt = AdamWBF16([{"params": ours[:3], **settings[0]}, {"params": ours[3:], **settings[1]}])
+    groups = [(expected[:3], settings[0]), (expected[3:], settings[1])]
+    state = {id(p): {"step": torch.tensor(0.0), "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in expected}
+    torch.manual_seed(11)
+    for step in range(3):
+        _set_grads(ours, step)
+        if step == 0:
+            ours[1].grad = None  # no update, no seed drawn: its step count falls behind the others'
+        opt.step()
+    torch.manual_seed(11)
+    for step in range(3):
+        _set_grads(expected, step)
+        for params, group in groups:
+            beta1, beta2 = group["betas"]
+            for p in params:
+                if step == 0 and p is expected[1]:
+                    continue
+                s = state[id(p)]
+                s["step"] += 1
+                seed = int(torch.randint(0, 2**31 - 1, ()))
+                _reference_update(p.data, p.grad, s["m"], s["v"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                  weight_decay=group["weight_decay"], correction1=float(1 - beta1 ** s["step"]),
+                                  correction2_sqrt=float((1 - beta2 ** s["step"]).sqrt()), seed=seed)
+    for p, q in zip(ours, expected):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], state[id(q)]["m"])
+        assert torch.equal(opt.state[p]["exp_avg_sq"], state[id(q)]["v"])
+        assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"] == state[id(q)]["step"]
+    assert opt.state[ours[1]]["step"] == 2
+
+
 def test_refuses_parameters_that_are_not_bf16():
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.ones(4)
@@ -153,4 +194,54 @@ def test_the_kernel_with_a_clip_coefficient_in_tritons_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, "-c", KERNEL_WITH_A_CLIP_COEF], env=env, capture_output=True, text=True, timeout=300,
                             check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+MULTI_TENSOR_KERNEL = """
+import torch
+from megablocks_utils.train.adamw_bf16 import _TensorUpdate, _triton_multi_tensor_update, _triton_update
+def tensors(n, seed, offset=0):
+    g = torch.Generator().manual_seed(seed)
+    made = [(torch.randn(n, generator=g) * 0.02).bfloat16(), (torch.randn(n, generator=g) * 1e-2).bfloat16(),
+            (torch.randn(n, generator=g) * 1e-3).bfloat16(), (torch.rand(n, generator=g) * 1e-4).bfloat16()]
+    # offset: the tensors start 2 bytes into a buffer, so their addresses are not 16-byte aligned
+    return [torch.cat([t.new_zeros(offset), t])[offset:] for t in made]
+# one block, mid-block ends, whole blocks, empty, addresses off the 16-byte grid, sizes not multiples of 8
+sizes = (1, 2049, 5000, 4096, 0, 24, 7, 4104)
+offsets = (0, 0, 0, 0, 0, 0, 0, 1)
+# Binary fractions: the interpreter computes with a Python-float argument in double precision where a GPU has its fp32
+# value (1 - beta1, lr * weight_decay); with values exact in both, the per-tensor kernel interpreted gives a GPU's bits.
+settings = [dict(lr=(i + 1) / 256, beta1=(0.875, 0.25)[i % 2], beta2=(0.9375, 0.375)[i % 3 == 0], eps=(i + 1) / 2**20,
+                 weight_decay=(i % 3) / 16, correction1=0.25 + i / 64, correction2_sqrt=0.375 - i / 128, seed=5 + 7 * i)
+            for i in range(len(sizes))]
+coef = torch.tensor(0.3137).bfloat16()
+for chosen in (range(len(sizes)), [2]):  # the whole table; a table of one tensor (no search)
+    for stochastic in (True, False):
+        for grad_coef in (None, coef):
+            one_launch = [tensors(sizes[i], i, offsets[i]) for i in chosen]
+            per_tensor = [tensors(sizes[i], i, offsets[i]) for i in chosen]
+            grads = [ts[1].clone() for ts in one_launch]
+            _triton_multi_tensor_update([_TensorUpdate(*ts, **settings[i]) for i, ts in zip(chosen, one_launch)],
+                                        grad_coef=grad_coef, stochastic=stochastic)
+            for i, ts in zip(chosen, per_tensor):
+                _triton_update(*ts, **settings[i], stochastic=stochastic, grad_coef=grad_coef)
+            for i, a, b, grad in zip(chosen, one_launch, per_tensor, grads):
+                assert torch.equal(a[1], grad), "the stored gradient changed"
+                for k, name in ((0, "p"), (2, "exp_avg"), (3, "exp_avg_sq")):
+                    assert torch.equal(a[k], b[k]), (sizes[i], stochastic, grad_coef is not None, name)
+                assert sizes[i] == 0 or not torch.equal(a[0], tensors(sizes[i], i)[0]), "not updated"
+print("ok")
+"""
+
+
+def test_the_multi_tensor_kernel_gives_the_bits_of_the_per_tensor_kernel_in_tritons_interpreter():
+    """One launch over tensors of different sizes (one element, blocks ending mid-way, whole blocks, an empty one) and
+    settings (lr, betas on both sides of lerp's 0.5, weight decay, corrections, seeds), some 16-byte aligned and some
+    not (the two launches), gives each tensor the bits of its own launch of the per-tensor kernel: with stochastic
+    rounding (the same seeds) and without, with the clip's coefficient and without; and a table of one tensor. Run by
+    Triton's CPU interpreter, which reads the addresses in the table as the GPU does."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-c", MULTI_TENSOR_KERNEL], env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -5,9 +5,15 @@ The update is torchao's ``_AdamW(bf16_stochastic_round=True)`` (0.18), operation
 moments by ``lerp`` and stored rounded to nearest, the bias-corrected step, and the stochastic rounding of the
 parameter (round away from zero with probability = the dropped 16 bits / 2^16). torchao compiles one step function per
 tensor, and each call cost ~0.4 ms of host time: 135 tensors of a 12-layer Qwen3-30B-A3B shape took 50 ms of host time
-per step for what the GPU does in less (one H200, bench/optim_step.py), so the optimizer ran host-bound. Here each tensor
-is one Triton kernel launch on CUDA (its four tensors read once, three written); elsewhere the same arithmetic runs as
-torch operations (``_reference_update``, what the kernel is tested against).
+per step for what the GPU does in less (one H200, bench/optim_step.py), so the optimizer ran host-bound.
+
+Here one Triton launch updates all the CUDA tensors (each one's four tensors read once, three written): each program
+finds its tensor in a table of addresses, sizes, seeds and scalars, built on the host and copied from pinned memory
+(no sync). One launch per tensor, with its scalars and seed computed per tensor on the host, had cost 10.6-14.9 ms of host
+time per step at that shape (one H200), while the GPU sat idle: the step follows a host sync, so nothing was queued
+ahead. A tensor the launch cannot take (not contiguous) gets a launch of its own with the same arithmetic
+(``multi_tensor=False``: every tensor so, the bits unchanged); elsewhere the same arithmetic runs as torch operations
+(``_reference_update``, what the kernels are tested against).
 
 The gradient clip can be folded into the step (``step(clip_coef=...)``): each gradient is multiplied by the clip's
 coefficient as the update reads it, instead of in a pass of its own over all gradients before the step (a read and a
@@ -17,12 +23,14 @@ product is rounded to the gradient's dtype, the coefficient first cast to it, ex
 (tests/test_adamw_bf16.py, tests/test_optim.py). Keeping that rounding costs a few integer operations per element in a
 kernel bound by memory; dropping it would gain little, as the bf16 gradient carries an error of the same size.
 
-The random bits come from a seed drawn per tensor and step from torch's CPU generator, which checkpoints save and
-restore: a resumed run rounds as the uninterrupted one did. State (``step``, ``exp_avg``, ``exp_avg_sq``, shaped and
-sharded like the parameter) has torchao's keys and dtypes, so its checkpoints load here.
+The random bits come from a seed per tensor and step drawn from torch's CPU generator (one draw for all tensors, which
+gives the values of one draw per tensor), which checkpoints save and restore: a resumed run rounds as the uninterrupted
+one did. State (``step``, ``exp_avg``, ``exp_avg_sq``, shaped and sharded like the parameter) has torchao's keys and
+dtypes, so its checkpoints load here.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,14 +42,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _TensorUpdate(NamedTuple):
+    """One tensor's update: the keyword arguments of ``_reference_update`` and ``_triton_update`` but the clip's."""
+
+    p: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    correction1: float
+    correction2_sqrt: float
+    seed: int
+
+
 class AdamWBF16(torch.optim.Optimizer):
-    """AdamW for bf16 parameters (``param_groups`` as torch's; ``lr`` a number or a CPU tensor)."""
+    """AdamW for bf16 parameters (``param_groups`` as torch's; ``lr`` a number or a CPU tensor). ``multi_tensor``: update
+    the contiguous CUDA tensors in one kernel launch per device (two where some are not 16-byte aligned); False: one
+    launch per tensor, the same bits in more host time."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, *, multi_tensor: bool = True):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"AdamWBF16: lr={lr}, eps={eps}, betas={betas} out of range")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.multi_tensor = multi_tensor
 
     @torch.no_grad()
     def step(self, closure=None, *, clip_coef: torch.Tensor | None = None):
@@ -52,36 +80,56 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with_grads = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for _, p in with_grads:
+            if p.dtype != torch.bfloat16:
+                raise ValueError(f"adamw_bf16 updates bf16 parameters; this one is {p.dtype}")
+            if not self.state[p]:
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        if not with_grads:
+            return loss
+        steps = [self.state[p]["step"] for _, p in with_grads]
+        torch._foreach_add_(steps, 1)
+        # One draw, in the parameters' order: the seeds that one draw per tensor gives (tests/test_adamw_bf16.py).
+        seeds = torch.randint(0, 2**31 - 1, (len(with_grads),)).tolist()
+        corrections = {}  # once per step count and betas: tens of us of host time each
         coefs = {}  # clip_coef cast once per (device, dtype) of the gradients, as scale_grads_ casts it
-        for group in self.param_groups:
+        one_launch = {}  # device -> the updates of its contiguous bf16 tensors
+        for (group, p), step, seed in zip(with_grads, steps, seeds):
             beta1, beta2 = group["betas"]
-            lr, eps, weight_decay = float(group["lr"]), group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dtype != torch.bfloat16:
-                    raise ValueError(f"adamw_bf16 updates bf16 parameters; this one is {p.dtype}")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                # fp32 on the host, as torchao computes them from its fp32 step tensor; no device sync
-                step = state["step"]
-                correction1 = float(1 - beta1**step)
-                correction2_sqrt = float((1 - beta2**step).sqrt())
-                seed = int(torch.randint(0, 2**31 - 1, ()))
-                grad, coef = _local(p.grad), None
-                if clip_coef is not None:
-                    if (grad.device, grad.dtype) not in coefs:
-                        coefs[grad.device, grad.dtype] = clip_coef.to(grad.device, grad.dtype)
-                    coef = coefs[grad.device, grad.dtype]
-                update = _triton_update if p.is_cuda else _reference_update
-                update(_local(p), grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), lr=lr, beta1=beta1,
-                       beta2=beta2, eps=eps, weight_decay=weight_decay, correction1=correction1,
-                       correction2_sqrt=correction2_sqrt, seed=seed, grad_coef=coef)
+            key = (float(step), step.dtype, step.device, beta1, beta2)
+            if key not in corrections:
+                corrections[key] = _bias_corrections(step, beta1, beta2)
+            state = self.state[p]
+            update = _TensorUpdate(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                                   float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], *corrections[key],
+                                   seed)
+            coef = None
+            if clip_coef is not None:
+                if (update.grad.device, update.grad.dtype) not in coefs:
+                    coefs[update.grad.device, update.grad.dtype] = clip_coef.to(update.grad.device, update.grad.dtype)
+                coef = coefs[update.grad.device, update.grad.dtype]
+            if self.multi_tensor and _fits_one_launch(update):
+                one_launch.setdefault(update.p.device, []).append(update)
+            elif update.p.is_cuda:
+                _triton_update(**update._asdict(), grad_coef=coef)
+            else:
+                _reference_update(**update._asdict(), grad_coef=coef)
+        for device, updates in one_launch.items():
+            _triton_multi_tensor_update(updates, grad_coef=None if clip_coef is None else coefs[device, torch.bfloat16])
         return loss
+
+
+def _bias_corrections(step: torch.Tensor, beta1: float, beta2: float) -> tuple[float, float]:
+    """(1 - beta1^step, sqrt(1 - beta2^step)) in fp32 on the host, as torchao computes them from its fp32 step tensor."""
+    return float(1 - beta1**step), float((1 - beta2**step).sqrt())
+
+
+def _fits_one_launch(update: _TensorUpdate) -> bool:
+    """What the multi-tensor kernel reads: contiguous bf16 tensors on the parameter's GPU."""
+    tensors = (update.p, update.grad, update.exp_avg, update.exp_avg_sq)
+    return update.p.is_cuda and all(t.device == update.p.device and t.dtype == torch.bfloat16 and t.is_contiguous()
+                                    for t in tensors)
 
 
 def _round_stochastic(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
@@ -125,10 +173,50 @@ def _triton_update(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weigh
     n = p.numel()
     if n == 0:
         return None
-    from megablocks_utils.train.adamw_bf16_kernel import adamw_bf16_kernel  # Triton: imported where a GPU runs it
+    # Triton: imported where a GPU runs it
+    from megablocks_utils.train.adamw_bf16_kernel import adamw_bf16_kernel
 
     # Without a coefficient the kernel never reads its pointer: the gradient stands in for it.
     adamw_bf16_kernel[(math.ceil(n / _BLOCK),)](p, grad, exp_avg, exp_avg_sq, grad if grad_coef is None else grad_coef, n, lr,
                                         1 - beta1, 1 - beta2, eps, weight_decay, correction1, correction2_sqrt, seed,
                                         STOCHASTIC=stochastic, SCALED=grad_coef is not None, BLOCK=_BLOCK, num_warps=8)
     return None
+
+
+def _triton_multi_tensor_update(updates: list[_TensorUpdate], *, grad_coef: torch.Tensor | None = None,
+                                stochastic: bool = True) -> None:
+    """``_triton_update`` of every tensor of ``updates`` (contiguous bf16 tensors on one device, ``grad_coef`` a bf16
+    0-dim tensor there) in one launch of the multi-tensor kernel, the same bits; two launches when some tensor's
+    addresses or size are not multiples of 16 bytes (those load an element at a time, the others 16 bytes)."""
+    # Triton: imported where a GPU runs it
+    from megablocks_utils.train.adamw_bf16_kernel import adamw_bf16_multi_tensor_kernel
+
+    aligned, unaligned = [], []  # (update, numel, addresses)
+    for u in updates:
+        n = u.p.numel()
+        addresses = (u.p.data_ptr(), u.grad.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr())
+        if n > 0:
+            fits = n % 8 == 0 and all(address % 16 == 0 for address in addresses)
+            (aligned if fits else unaligned).append((u, n, addresses))
+    for batch, is_aligned in ((aligned, True), (unaligned, False)):
+        if not batch:
+            continue
+        # The table of adamw_bf16_kernel.py, a row per tensor: 7 int64, then 8 fp32 (Python floats reach the
+        # per-tensor kernel as fp32 too: the same values).
+        int_rows, float_rows, blocks = [], [], 0
+        for u, n, addresses in batch:
+            int_rows.append((blocks, n, u.seed, *addresses))
+            float_rows.append((u.lr, 1 - u.beta1, 1 - u.beta2, u.eps, u.weight_decay, u.correction1, u.correction2_sqrt,
+                               0.0))
+            blocks += math.ceil(n / _BLOCK)
+        table = torch.cat([torch.tensor(int_rows, dtype=torch.int64),
+                           torch.tensor(float_rows, dtype=torch.float32).view(torch.int64)], dim=1)
+        device = batch[0][0].p.device
+        if device.type == "cuda":
+            # From pinned memory: a copy from pageable memory waits for the GPU's queue (a host sync). The pinned block
+            # is not reused before the copy is done (torch's caching host allocator records it).
+            table = table.pin_memory().to(device, non_blocking=True)
+        # Without a coefficient the kernel never reads its pointer: the table stands in for it.
+        adamw_bf16_multi_tensor_kernel[(blocks,)](table, len(batch), table if grad_coef is None else grad_coef,
+                                                  STOCHASTIC=stochastic, SCALED=grad_coef is not None, ALIGNED=is_aligned,
+                                                  SEARCH_STEPS=(len(batch) - 1).bit_length(), BLOCK=_BLOCK, num_warps=8)

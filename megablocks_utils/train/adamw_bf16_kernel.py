@@ -1,7 +1,15 @@
-"""The Triton kernel of ``adamw_bf16.AdamWBF16`` (a module of its own: Triton is imported only where a GPU runs it)."""
+"""The Triton kernels of ``adamw_bf16.AdamWBF16`` (a module of its own: Triton is imported only where a GPU runs it).
+
+``adamw_bf16_kernel`` updates one tensor; ``adamw_bf16_multi_tensor_kernel`` updates many in one launch, each program
+finding its tensor in a table. Both run the same ``_update_block``, so a tensor gets the same bits from either."""
 
 import triton
 import triton.language as tl
+
+# The multi-tensor table: one row of int64 per tensor. Columns 0-6: the tensor's first block in the launch, its numel,
+# its seed, and the addresses of the parameter, gradient, exp_avg and exp_avg_sq; columns 7-10 hold 8 fp32: lr,
+# 1 - beta1, 1 - beta2, eps, weight_decay, correction1, correction2_sqrt and one unused.
+TABLE_ROW = tl.constexpr(11)
 
 
 @triton.jit
@@ -14,13 +22,11 @@ def _to_bf16_nearest(x):
 
 
 @triton.jit
-def adamw_bf16_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1_weight, beta2_weight, eps, weight_decay,
-                      correction1, correction2_sqrt, seed, STOCHASTIC: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
-    """One AdamW step on ``BLOCK`` elements of a bf16 parameter, its gradient and its two bf16 moments, in fp32;
+def _update_block(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, offsets, mask, lr, beta1_weight, beta2_weight, eps, weight_decay,
+                  correction1, correction2_sqrt, seed, STOCHASTIC: tl.constexpr, SCALED: tl.constexpr):
+    """One AdamW step on the elements ``offsets`` of a bf16 parameter, its gradient and its two bf16 moments, in fp32;
     ``*_weight`` = 1 - beta; the parameter rounded stochastically (``STOCHASTIC``) or to nearest. With ``SCALED`` the
     gradient is first multiplied by the bf16 scalar at ``coef_ptr`` (the clip's coefficient) and rounded to bf16."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
     p = tl.load(p_ptr + offsets, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
     if SCALED:
@@ -53,3 +59,43 @@ def adamw_bf16_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1_weight,
     else:
         p_bf16 = _to_bf16_nearest(p)
     tl.store(p_ptr + offsets, p_bf16, mask=mask)
+
+
+@triton.jit
+def adamw_bf16_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1_weight, beta2_weight, eps, weight_decay,
+                      correction1, correction2_sqrt, seed, STOCHASTIC: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """``_update_block`` on the ``BLOCK`` elements of program ``program_id`` of one tensor of ``n`` elements."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _update_block(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, offsets, offsets < n, lr, beta1_weight, beta2_weight, eps,
+                  weight_decay, correction1, correction2_sqrt, seed, STOCHASTIC, SCALED)
+
+
+@triton.jit
+def adamw_bf16_multi_tensor_kernel(table_ptr, n_tensors, coef_ptr, STOCHASTIC: tl.constexpr, SCALED: tl.constexpr,
+                                   ALIGNED: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """``_update_block`` on one block of one of the ``n_tensors`` tensors of ``table_ptr`` (the layout above): the
+    tensor whose blocks hold this program's block, found by a binary search over the first blocks
+    (``SEARCH_STEPS`` = ceil(log2(n_tensors))); then the elements of that block, counted from the tensor's start as
+    ``adamw_bf16_kernel`` counts them (so the same random stream). ``ALIGNED``: every address is a multiple of 16 bytes
+    and every numel of 8, which lets the loads and stores move 16 bytes at a time, as they do for one such tensor."""
+    block = tl.program_id(0)
+    low, high = 0, n_tensors  # the tensor's row is in [low, high)
+    for _ in tl.static_range(SEARCH_STEPS):
+        middle = (low + high) // 2
+        at_or_after = tl.load(table_ptr + middle * TABLE_ROW) <= block
+        low = tl.where(at_or_after, middle, low)
+        high = tl.where(at_or_after, high, middle)
+    row = table_ptr + low * TABLE_ROW
+    numel, seed = tl.load(row + 1), tl.load(row + 2)
+    bf16_ptr = tl.pointer_type(tl.bfloat16)
+    p_ptr, g_ptr = tl.load(row + 3).to(bf16_ptr), tl.load(row + 4).to(bf16_ptr)
+    m_ptr, v_ptr = tl.load(row + 5).to(bf16_ptr), tl.load(row + 6).to(bf16_ptr)
+    if ALIGNED:  # (on the pointers: a hint on the integer addresses does not reach the loads)
+        numel = tl.multiple_of(numel, 8)
+        p_ptr, g_ptr = tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16)
+        m_ptr, v_ptr = tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
+    scalars = (row + 7).to(tl.pointer_type(tl.float32), bitcast=True)
+    offsets = (block - tl.load(row)) * BLOCK + tl.arange(0, BLOCK)  # int64, as the first block is
+    _update_block(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, offsets, offsets < numel, tl.load(scalars), tl.load(scalars + 1),
+                  tl.load(scalars + 2), tl.load(scalars + 3), tl.load(scalars + 4), tl.load(scalars + 5),
+                  tl.load(scalars + 6), seed, STOCHASTIC, SCALED)

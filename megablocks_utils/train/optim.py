@@ -5,7 +5,7 @@ shard (parameter + gradient + AdamW's two moments):
 
   adamw_torch       fp32 params, fp32 moments: 4 + 4 + 8 = 16 B. torch.optim.AdamW (fused on CUDA).
   adamw_bf16        bf16 params, bf16 moments: 2 + 2 + 4 = 8 B. ``adamw_bf16.AdamWBF16`` (torchao's
-                    ``_AdamW`` update, one Triton kernel per tensor) computes the update in fp32 and
+                    ``_AdamW`` update, one Triton launch for all tensors) computes the update in fp32 and
                     rounds it to bf16 stochastically, so updates far below a bf16 ulp still move the
                     weight on average (plain bf16 rounding would drop them).
   adamw_torch_8bit  fp32 params, 8-bit moments: 4 + 4 + 2 + 1/32 = 10.03 B. torchao's ``AdamW8bit``:
