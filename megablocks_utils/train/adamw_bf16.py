@@ -35,7 +35,8 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-_BLOCK = 2048  # elements per Triton program: 8 warps x 256
+_BLOCK = 2048  # elements per Triton block: 8 warps x 256
+_BLOCKS_PER_PROGRAM = 4  # the multi-tensor launch's program: its table search once per 4 blocks
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -208,7 +209,7 @@ def _triton_multi_tensor_update(updates: list[_TensorUpdate], *, grad_coef: torc
             int_rows.append((blocks, n, u.seed, *addresses))
             float_rows.append((u.lr, 1 - u.beta1, 1 - u.beta2, u.eps, u.weight_decay, u.correction1, u.correction2_sqrt,
                                0.0))
-            blocks += math.ceil(n / _BLOCK)
+            blocks += math.ceil(n / (_BLOCK * _BLOCKS_PER_PROGRAM))
         table = torch.cat([torch.tensor(int_rows, dtype=torch.int64),
                            torch.tensor(float_rows, dtype=torch.float32).view(torch.int64)], dim=1)
         device = batch[0][0].p.device
@@ -219,4 +220,5 @@ def _triton_multi_tensor_update(updates: list[_TensorUpdate], *, grad_coef: torc
         # Without a coefficient the kernel never reads its pointer: the table stands in for it.
         adamw_bf16_multi_tensor_kernel[(blocks,)](table, len(batch), table if grad_coef is None else grad_coef,
                                                   STOCHASTIC=stochastic, SCALED=grad_coef is not None, ALIGNED=is_aligned,
-                                                  SEARCH_STEPS=(len(batch) - 1).bit_length(), BLOCK=_BLOCK, num_warps=8)
+                                                  SEARCH_STEPS=(len(batch) - 1).bit_length(), BLOCK=_BLOCK,
+                                                  BLOCKS_PER_PROGRAM=_BLOCKS_PER_PROGRAM, num_warps=8)
