@@ -1,6 +1,8 @@
-"""bench/real_data.py on CPU, shrunk: DeepSeek-V2-Lite's and gpt-oss-20b's shapes train in train_fsdp2.py (under
-bench/with_routing.py) and in transformers' own model on the same synthetic rows, both routed by the same balanced
-hooks, every expert exactly the same share (a smoke test of the harness; the speed is measured on a GPU)."""
+"""bench/real_data.py on CPU, shrunk: DeepSeek-V2-Lite's shape (a dense first layer, shared experts, MLA) trains in
+train_fsdp2.py (under bench/with_routing.py) and in transformers' own model on the same synthetic rows, both routed by
+the same balanced hooks, every expert exactly the same share (a smoke test of the harness; the speed is measured on a
+GPU). gpt-oss-20b's shape runs the same code path (its model is tested in tests/test_gpt_oss.py and
+test_scripts_models.py); it was left out of the suite for time (24 s on 2 cores)."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("shape", ["deepseek_v2_lite", "gpt_oss_20b"])
+@pytest.mark.parametrize("shape", ["deepseek_v2_lite"])
 def test_both_sides_train_the_shrunk_shape_with_the_same_balanced_routing(shape, tmp_path):
     out = tmp_path / "records.jsonl"
     command = [sys.executable, os.path.join("bench", "real_data.py"), "--shape", shape, "--layers", "2", "--shrink", "--seq", "256",
