@@ -217,7 +217,7 @@ def report_host_profile(prof) -> None:
 
     for order in ("tottime", "cumulative"):
         stream = io.StringIO()
-        pstats.Stats(prof, stream=stream).sort_stats(order).print_stats(35)
+        pstats.Stats(prof, stream=stream).sort_stats(order).print_stats(50)
         text = stream.getvalue()
         print(f"--- host time of one step by {order}\n" + text[text.find("ncalls"):], flush=True)
 
