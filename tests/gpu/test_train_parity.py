@@ -48,17 +48,26 @@ def compile_runs(tiny_model_dir, tmp_path_factory) -> dict:
     return {name: metrics(path) for name, path in out.items()}
 
 
+def assert_fp32_equal(a: list[dict], b: list[dict]) -> None:
+    """fp32 runs that differ only where a kernel rounds its last bit: within 1e-6 over the first 4 steps, 1e-3 over all 20.
+
+    On one H200 (2026-11-24) compiled and eager attention/norms first differ at step 4 (5e-10 relative), and a last-bit
+    difference then grows as near-tie routing choices flip, to 4.4e-5 by step 16; the same settings run twice differ
+    too (a kernel that sums in no fixed order: 5e-6 at step 5 in one of four runs). A wrong mask or a lost gradient
+    shows at steps 1-2 (a lost gradient in the next step's loss), far above 1e-6; 1e-3 over 20 steps is half the bf16
+    runs' bound. (The gradient norm is not compared: its first steps were not recorded when the bound was set.)"""
+    assert worst_relative(a[:4], b[:4], "loss") <= 1e-6
+    assert worst_relative(a, b, "loss") <= 1e-3
+
+
 def test_compiled_attention_and_norms_equal_eager_in_fp32(compile_runs):
-    """Measured on 4 H200s: loss 3.4e-8, grad norm 3.7e-7."""
-    assert worst_relative(compile_runs["fp32_compiled"], compile_runs["fp32_eager"], "loss") <= 1e-5
-    assert worst_relative(compile_runs["fp32_compiled"], compile_runs["fp32_eager"], "grad_norm") <= 1e-5
+    assert_fp32_equal(compile_runs["fp32_compiled"], compile_runs["fp32_eager"])
 
 
 def test_recomputing_the_experts_changes_nothing_in_fp32(compile_runs):
     """checkpoint_experts reruns the experts' kernels (compiled SwiGLU, Triton gathers) in the backward: the same
     training as keeping their activations, to fp32 rounding."""
-    assert worst_relative(compile_runs["fp32_compiled_experts"], compile_runs["fp32_compiled"], "loss") <= 1e-5
-    assert worst_relative(compile_runs["fp32_compiled_experts"], compile_runs["fp32_compiled"], "grad_norm") <= 1e-5
+    assert_fp32_equal(compile_runs["fp32_compiled_experts"], compile_runs["fp32_compiled"])
 
 
 @pytest.mark.parametrize("run", ["bf16_compiled", "bf16_compiled_ac", "bf16_compiled_experts"])
