@@ -158,7 +158,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def sdpa_causal_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention with only the causal triangle (``is_causal``): for rows that are each one whole
-    document, where there is nothing else to mask (``choose_attention``); a mask given here is refused, not ignored."""
+    document, where there is nothing else to mask (``choose_attention``). transformers drops a 2D mask for a kernel
+    without a mask function, so the guard is the collator's: it refuses such a kernel rows that need a mask
+    (``data.collate``); a prepared 4D mask, which transformers would pass on, is refused here."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None:
