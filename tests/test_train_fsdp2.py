@@ -106,7 +106,8 @@ def assert_tensorboard_scalars(log_dir, records):
 @pytest.mark.parametrize("nproc,dp_args", [
     (2, ("--ep_size", "2")),
     (2, ("--ep_size", "1")),
-    (2, ("--ep_size", "1", "--shard_experts", "false", "--activation_checkpointing_layers", "2")),  # 2 of 4 layers
+    # 2 of 4 layers checkpointed whole, the other 2 recompute only their experts (checkpoint_experts)
+    (2, ("--ep_size", "1", "--shard_experts", "false", "--activation_checkpointing_layers", "2", "--checkpoint_experts", "true")),
     pytest.param(4, ("--ep_size", "1", "--dp_replicate", "2"), marks=pytest.mark.slow),
 ], ids=["ep2", "dp2-experts-sharded", "dp2-experts-replicated", "hsdp2x2"])
 def test_ranks_equal_one_rank(request, tiny_model_dir, small_data, tmp_path, one_rank_run, nproc, dp_args):
