@@ -77,6 +77,7 @@ def main() -> None:
     args = p.parse_args()
 
     from megablocks_utils.parallel import grads
+    from megablocks_utils.train.optim import clipped_step
 
     sizes = shapes(args.shape, args.layers)
     numel = sum(torch.Size(s).numel() for s in sizes)
@@ -94,7 +95,7 @@ def main() -> None:
         elif variant.startswith("adamw_bf16_clip"):
             opt = adamw_bf16(params, variant)
             if variant.startswith("adamw_bf16_clip_folded"):
-                step = lambda: grads.clipped_step(opt, grads.grad_norm_and_clip_coef(params, 1.0)[1])  # noqa: E731
+                step = lambda: clipped_step(opt, grads.grad_norm_and_clip_coef(params, 1.0)[1])  # noqa: E731
                 moved = numel * dtype.itemsize * 8  # the norm's read, then the step's 7
             else:
                 step = lambda: (grads.clip_grad_norm_(params, 1.0), opt.step())  # noqa: E731

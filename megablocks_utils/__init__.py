@@ -16,7 +16,7 @@ _MODULE_OF = {
     "router_stats": "moe.aux_loss",
     "compile_dense_parts": "parallel.compile_dense",
     "clip_grad_norm_": "parallel.grads",
-    "clipped_step": "parallel.grads",
+    "clipped_step": "train.optim",
     "grad_norm_and_clip_coef": "parallel.grads",
     "sync_expert_grads": "parallel.grads",
     "IGNORE_INDEX": "train.loss",

@@ -9,7 +9,7 @@ experts stay whole and replicated over dp, once per optimizer step (summing is l
 accumulated micro-step gradients can be reduced together).
 
 The clip is two parts: ``grad_norm_and_clip_coef`` (the global norm and the factor that clips it) and the scaling,
-which ``clipped_step`` leaves to adamw_bf16's update where it can (one pass over the gradients fewer);
+which ``train.optim.clipped_step`` leaves to adamw_bf16's update where it can (one pass over the gradients fewer);
 ``clip_grad_norm_`` does both at once.
 """
 
@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from megablocks_utils.model.build import expert_parameters
 from megablocks_utils.parallel.mesh import MoEMesh
-from megablocks_utils.train.adamw_bf16 import AdamWBF16
 
 
 def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
@@ -125,21 +124,6 @@ def clip_grad_norm_(
     if coef is not None:
         scale_grads_(parameters, coef)
     return total
-
-
-def clipped_step(optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
-    """``optimizer.step()`` on its gradients multiplied by ``clip_coef`` (``grad_norm_and_clip_coef``'s; None: as they are).
-
-    ``AdamWBF16`` (adamw_bf16) multiplies each gradient as its update reads it, which saves a pass over all gradients
-    (a read and a write of each); the other optimizers get their gradients scaled in place first (``scale_grads_``).
-    Either way the update sees the same numbers: the product rounded to the gradient's dtype (adamw_bf16.py).
-    """
-    if clip_coef is not None and isinstance(optimizer, AdamWBF16):
-        optimizer.step(clip_coef=clip_coef)
-        return
-    if clip_coef is not None:
-        scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip_coef)
-    optimizer.step()
 
 
 def _collective_device(group: dist.ProcessGroup) -> torch.device:

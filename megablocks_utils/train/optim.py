@@ -33,6 +33,7 @@ param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors).
 
 import torch
 
+from megablocks_utils.parallel.grads import scale_grads_
 from megablocks_utils.tools.memory import OPTIM_BYTES
 from megablocks_utils.train.adamw_bf16 import AdamWBF16
 
@@ -150,3 +151,18 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
+    """``optimizer.step()`` on its gradients multiplied by ``clip_coef`` (``grad_norm_and_clip_coef``'s; None: as they are).
+
+    ``AdamWBF16`` (adamw_bf16) multiplies each gradient as its update reads it, which saves a pass over all gradients
+    (a read and a write of each); the other optimizers get their gradients scaled in place first (``scale_grads_``).
+    Either way the update sees the same numbers: the product rounded to the gradient's dtype (adamw_bf16.py).
+    """
+    if clip_coef is not None and isinstance(optimizer, AdamWBF16):
+        optimizer.step(clip_coef=clip_coef)
+        return
+    if clip_coef is not None:
+        scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip_coef)
+    optimizer.step()

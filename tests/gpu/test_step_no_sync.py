@@ -48,10 +48,11 @@ def test_collate_and_step_sums_make_no_host_sync():
 def test_the_step_after_the_sums_makes_no_host_sync():
     """From the gradient norm to the step's record, only the sums' all_reduce reads the GPU (the stop-or-skip decision
     needs it): the norm and the clip's coefficient stay on the device, adamw_bf16 applies the coefficient in its kernel,
-    and the record reads what that all_reduce copied (the norm, the expert counts). The step-end sync of
-    train_fsdp2.py (its timing) is the only other one."""
-    from megablocks_utils.parallel.grads import clipped_step, grad_norm_and_clip_coef
+    and the record reads what that all_reduce copied (the norm, the expert counts). train_fsdp2.py makes no
+    other (its step timing reads the host clock at this check: train/step_clock.py)."""
+    from megablocks_utils.parallel.grads import grad_norm_and_clip_coef
     from megablocks_utils.train.adamw_bf16 import AdamWBF16
+    from megablocks_utils.train.optim import clipped_step
     from megablocks_utils.train.run_log import MetricsLog, StepSums
 
     class Config:
