@@ -88,6 +88,7 @@ def inner(args, script_args: list[str]) -> None:
             os._exit(0)  # the rest of the run (its export of the weights) is not what is measured
 
     register_optimizer_step_post_hook(step_hook)
+    route(args)
     sys.argv = [os.path.join(ROOT, "train_fsdp2.py"), *script_args]
     prof.start()
     runpy.run_path(sys.argv[0], run_name="__main__")
@@ -205,9 +206,18 @@ def phases(args, script_args: list[str]) -> None:
         torch.cuda.set_sync_debug_mode(1)
 
     register_optimizer_step_post_hook(step_end)
+    route(args)
     sys.argv = [os.path.join(ROOT, "train_fsdp2.py"), *script_args]
     runpy.run_path(sys.argv[0], run_name="__main__")
     raise SystemExit("train_fsdp2.py ended before the measured steps; raise its max_steps")
+
+
+def route(args) -> None:
+    """``--routing`` other than own: the model train_fsdp2.py loads routes as bench/with_routing.py makes it."""
+    if args.routing != "own":
+        from with_routing import route_loaded_models
+
+        route_loaded_models(args.routing)
 
 
 def report_host_profile(prof) -> None:
@@ -235,7 +245,7 @@ def report_phases(args, steps: list[list[tuple[str, float, float]]]) -> None:
         rows.append({"phase": labels[i], "host_ms": round(host, 2), "gpu_ms": round(gpu, 2), "lag_at_end_ms": round(lag, 2)})
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     record = {"date": date.today().isoformat(), "device": device, "torch": torch.__version__, "kind": "phases",
-              "shape": args.shape, "layers": args.layers, "data": args.data, "measured_steps": len(steps),
+              "shape": args.shape, "layers": args.layers, "data": args.data, "routing": args.routing, "measured_steps": len(steps),
               "step_ms": [round(s[-1][2], 2) for s in steps], "phases": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "a") as f:
@@ -271,7 +281,7 @@ def report(args, prof, times: list[float]) -> None:
         busy += us
     steps = args.active
     record = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "shape": args.shape, "layers": args.layers, "data": args.data, "profiled_steps": steps,
+              "shape": args.shape, "layers": args.layers, "data": args.data, "routing": args.routing, "profiled_steps": steps,
               "wall_s_per_step": [round(w, 4) for w in wall], "gpu_busy_s_per_step": busy / 1e6 / steps,
               "parts_s_per_step": {k: v / 1e6 / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
               "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:40]}}
@@ -304,6 +314,7 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--data", choices=("synthetic", "chat"), default="synthetic")
+    p.add_argument("--routing", default="own", help="own, balanced or skew:R (bench/routing_skew.py), as bench/real_data.py")
     p.add_argument("--wait", type=int, default=6, help="optimizer steps before the profiled ones (warm-up, compiles)")
     p.add_argument("--active", type=int, default=3, help="optimizer steps profiled")
     p.add_argument("--dir", default="", help="the checkpoint (written if missing); default /tmp/<shape>-L<layers>")
@@ -328,7 +339,7 @@ def main() -> None:
     data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps)
     out_dir = os.path.join(args.work, "run")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.abspath(__file__), "--inner",
-               "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--wait", str(args.wait),
+               "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--routing", args.routing, "--wait", str(args.wait),
                "--active", str(args.active), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
                *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),
                *(["--sync_debug"] if args.sync_debug else []), *(["--host_profile"] if args.host_profile else []),

@@ -17,17 +17,10 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit("usage: with_routing.py ROUTING SCRIPT [ARGS...]   (ROUTING: own, balanced or skew:R)")
-    routing, script, args = argv[0], argv[1], argv[2:]
-    sys.path[:0] = [ROOT, BENCH]
-    from routing_skew import control_routing, parse_routing
+def route_loaded_models(routing: str) -> None:
+    """Wrap the library's ``load_model`` so that every model it returns routes by ``routing`` (call before the script runs)."""
+    from routing_skew import control_routing
 
-    try:
-        parse_routing(routing)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
     from megablocks_utils.model import build
 
     load_model = build.load_model
@@ -40,6 +33,20 @@ def main(argv: list[str]) -> None:
         return model, mesh
 
     build.load_model = load_model_routed  # train_fsdp2.py takes it from megablocks_utils, which reads build's on first use
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit("usage: with_routing.py ROUTING SCRIPT [ARGS...]   (ROUTING: own, balanced or skew:R)")
+    routing, script, args = argv[0], argv[1], argv[2:]
+    sys.path[:0] = [ROOT, BENCH]
+    from routing_skew import parse_routing
+
+    try:
+        parse_routing(routing)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    route_loaded_models(routing)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
