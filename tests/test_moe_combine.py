@@ -1,13 +1,13 @@
 """The MoE layer's own autograd pieces against what plain indexing computes: the combine of expert outputs
 (gather + weighted sum; on CUDA a Triton kernel, tests/test_gather_kernels.py) against weighting + index_add, the
-dispatch's gather-sum backward, the per-expert bias's segment-sum backward; no host sync at ep = 1 on the grouped GEMM
+dispatch's gather-sum backward, the per-expert bias as a one-hot GEMM; no host sync at ep = 1 on the grouped GEMM
 path, and ``force_loop`` keeping it out. Eager, on CPU."""
 
 import pytest
 import torch
 
 from megablocks_utils.moe.dispatch import _Dispatch, _gather_combine, _weigh
-from megablocks_utils.moe.experts import _ExpertBias
+from megablocks_utils.moe.experts import add_expert_bias, expert_one_hot
 
 
 def test_gather_combine_equals_weighted_index_add():
@@ -49,25 +49,28 @@ def test_dispatch_backward_gathers_what_indexing_scatters():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_expert_bias_backward_is_the_per_expert_sum():
-    """Per-expert biases on rows grouped by expert (an expert with no rows among them): the segment-sum
-    gradient equals autograd's scatter-add of bias[row_expert], in fp32 and bf16."""
+def test_expert_bias_gemm_equals_indexed_add():
+    """Per-expert biases on rows grouped by expert (experts with no rows among them, first and last included):
+    ``addmm(rows, one_hot, bias)`` equals ``rows + bias[row_expert]`` bit for bit; the rows' gradient is the output's,
+    the bias gradient each expert's sum of its rows' gradients, taken in fp32 (then one rounding to the dtype)."""
     torch.manual_seed(0)
-    counts = torch.tensor([5, 0, 9, 1, 0, 7])
+    counts = torch.tensor([0, 5, 0, 9, 1, 0, 7, 0])
     row_expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):
+        one_hot = expert_one_hot(counts, int(counts.sum()), dtype)
+        assert one_hot.dtype == dtype and one_hot.shape == (int(counts.sum()), len(counts))
+        assert torch.equal(one_hot.argmax(1), row_expert) and torch.all(one_hot.sum(1) == 1)
         rows = torch.randn(int(counts.sum()), 12, dtype=dtype, requires_grad=True)
         bias = torch.randn(len(counts), 12, dtype=dtype, requires_grad=True)
-        got = _ExpertBias.apply(rows, bias, row_expert, counts)
-        reference = rows + bias[row_expert]
-        torch.testing.assert_close(got, reference, rtol=0, atol=0)
-        grad = torch.randn_like(reference)
-        expected = torch.autograd.grad(reference, (rows, bias), grad)
-        derived = torch.autograd.grad(got, (rows, bias), grad)
-        for g, e in zip(derived, expected):
-            assert g.dtype == e.dtype
-            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
-        assert torch.all(derived[1][counts == 0] == 0)
+        got = add_expert_bias(rows, one_hot, bias)
+        torch.testing.assert_close(got, rows + bias[row_expert], rtol=0, atol=0)
+        grad = torch.randn_like(got)
+        grad_rows, grad_bias = torch.autograd.grad(got, (rows, bias), grad)
+        assert torch.equal(grad_rows, grad)
+        per_expert_sum = torch.zeros(len(counts), 12).index_add_(0, row_expert, grad.float())
+        assert grad_bias.dtype == dtype
+        torch.testing.assert_close(grad_bias.float(), per_expert_sum.to(dtype).float(), rtol=tol, atol=tol)
+        assert torch.all(grad_bias[counts == 0] == 0)
 
 
 def test_one_rank_grouped_gemm_layer_makes_no_host_sync(monkeypatch):

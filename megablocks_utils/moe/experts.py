@@ -37,22 +37,27 @@ def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: f
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-class _ExpertBias(torch.autograd.Function):
-    """``rows + bias[row_expert]`` for rows grouped by expert (``counts`` rows each), with a segment sum for
-    the bias gradient: autograd's scatter-add of thousands of rows into a few expert rows runs serially over
-    the duplicates on CUDA. Summed in fp32; no host sync (``unsafe``: the counts are ours, and sum to the rows)."""
+def _gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool) -> torch.Tensor:
+    """The fused [rows, 2I] projection -> [rows, I] through gpt-oss's clamped SwiGLU (compiled as one kernel each way
+    on CUDA: ``fused``; eager, its strided split and clamps were ~150 ms of a gpt-oss-20b step, bench/profile_steps.py)."""
+    gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, dim=-1)
+    return _clamped_swiglu(gate, up, alpha, limit)
 
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, bias: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(counts)
-        ctx.bias_dtype = bias.dtype
-        return rows + bias[row_expert]
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (counts,) = ctx.saved_tensors
-        grad_bias = torch.segment_reduce(grad.float(), "sum", lengths=counts, axis=0, unsafe=True)
-        return grad, grad_bias.to(ctx.bias_dtype), None, None
+def expert_one_hot(counts: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, E] in ``dtype``: 1 where a row (grouped by expert, ``counts`` rows each) belongs to the expert.
+    No host sync (``output_size`` is given)."""
+    experts = torch.arange(len(counts), device=counts.device)
+    row_expert = torch.repeat_interleave(experts, counts, output_size=rows)
+    return (row_expert.unsqueeze(1) == experts).to(dtype)
+
+
+def add_expert_bias(rows: torch.Tensor, one_hot: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``rows + bias[row_expert]`` as one GEMM with the add in its epilogue: ``addmm(rows, one_hot, bias)``.
+    Each output is the row's value plus exactly one bias entry, summed in fp32 and rounded once, as the indexed add;
+    the bias gradient is ``one_hot.T @ grad``, the per-expert sum accumulated in fp32 by the GEMM (autograd's
+    index backward scatter-adds thousands of rows into a few, serially on CUDA; an fp32 segment sum cost a copy)."""
+    return torch.addmm(rows, one_hot, bias)
 
 
 class LocalExperts:
@@ -95,8 +100,9 @@ class LocalExperts:
     ) -> torch.Tensor:
         """``counts`` rows of ``x`` per local expert through their experts. ``counts_host`` (``counts`` as a list)
         is needed only by the per-expert loop; without it the loop reads ``counts`` itself, a host sync that the
-        grouped GEMM path never makes. ``fuse``: SiLU * up as one compiled kernel (CUDA). ``lora``/``adapters``:
-        the experts' LoRA (moe/lora.py) and the local blocks of its tensors, added after each projection."""
+        grouped GEMM path never makes. ``fuse``: the GLU (SiLU * up, or gpt-oss's clamped SwiGLU) as one compiled
+        kernel (CUDA). ``lora``/``adapters``: the experts' LoRA (moe/lora.py) and the local blocks of its tensors,
+        added after each projection."""
         if grouped_mm_supported(x) and not self.force_loop:
             return self.grouped(x, counts, weights, fuse, lora, adapters)
         return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
@@ -108,9 +114,9 @@ class LocalExperts:
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The fused [rows, 2I] projection -> [rows, I]: the GLU of the model's activation."""
-        gate, up = self._split(gate_up)
         if self.clamped_swiglu is not None:
-            return _clamped_swiglu(gate, up, *self.clamped_swiglu)
+            return _gpt_oss_glu(gate_up, *self.clamped_swiglu, self.interleaved)
+        gate, up = self._split(gate_up)
         return self.act_fn(gate) * up
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool, lora=None,
@@ -128,9 +134,9 @@ class LocalExperts:
         else:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             gemm = lambda a, w: _grouped_mm(a, w, offs)  # noqa: E731
-            if has_bias:  # each row's expert, without a host sync
-                row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
-                add_bias = lambda rows, bias: _ExpertBias.apply(rows, bias, row_expert, counts)  # noqa: E731
+            if has_bias:
+                one_hot = expert_one_hot(counts, x.shape[0], x.dtype)
+                add_bias = lambda rows, bias: add_expert_bias(rows, one_hot, bias)  # noqa: E731
         gate_up = gemm(x, w_gate_up)
         if adapters:  # two more grouped GEMMs on the same rows: x @ A_e, then @ B_e (no delta weight)
             gate_up = lora.add("gate_up_proj", gate_up, x, adapters, gemm)
@@ -138,6 +144,8 @@ class LocalExperts:
             gate_up = add_bias(gate_up, weights[2])
         if fuse and self.is_silu:
             hidden = fused(_silu_mul)(gate_up)
+        elif fuse and self.clamped_swiglu is not None:
+            hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)
         else:
             hidden = self.activate(gate_up)
         out = gemm(hidden, w_down)

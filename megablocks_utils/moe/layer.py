@@ -38,9 +38,9 @@ class ExpertParallelExperts(nn.Module):
 
     Settings, given at construction:
     ``force_loop``: the local experts as the per-expert loop even where grouped GEMMs run (tests compare the two).
-    ``compile_elementwise``: on CUDA, torch.compile the SiLU * up and the cast's gradient division (``fused.py``), and
-    run the weighted combine of the k outputs (both ways) and the dispatch's backward as our Triton kernels
-    (``gather_kernels.py``).
+    ``compile_elementwise``: on CUDA, torch.compile the GLU (SiLU * up, gpt-oss's clamped SwiGLU) and the cast's
+    gradient division (``fused.py``), and run the weighted combine of the k outputs (both ways) and the dispatch's
+    backward as our Triton kernels (``gather_kernels.py``).
     ``overlap_chunks``: with ep > 1, tokens in this many chunks, one's all-to-all beside another's experts (forward).
 
     ``recompute`` (set by ``apply_activation_checkpointing``, the scripts' ``checkpoint_experts``): the forward keeps
