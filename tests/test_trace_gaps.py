@@ -1,0 +1,29 @@
+"""bench/trace_gaps.py on a hand-made trace: busy time, and each gap told apart as the host's (the next kernel
+launched after the gap began, named by its launching operators) or the GPU's own (launched before)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+from trace_gaps import analyse  # noqa: E402
+
+
+def test_gaps_split_into_host_late_and_gpu_waiting():
+    op = lambda name, ts, dur: {"ph": "X", "cat": "cpu_op", "name": name, "pid": 0, "tid": 1, "ts": ts, "dur": dur}  # noqa: E731
+    launch = lambda ts, c: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 0, "tid": 1, "ts": ts, "dur": 2,  # noqa: E731
+                            "args": {"correlation": c}}
+    kernel = lambda name, ts, dur, c, tid=7: {"ph": "X", "cat": "kernel", "name": name, "pid": 5, "tid": tid, "ts": ts, "dur": dur,  # noqa: E731
+                                             "args": {"correlation": c}}
+    events = [op("layer", 0, 1000), op("aten::mm", 100, 10), launch(105, 1), op("aten::add", 300, 10), launch(305, 2), launch(306, 3),
+              kernel("k1", 110, 100, 1),  # busy 110-210
+              kernel("k2", 310, 50, 2),  # 100 us idle before it; launched at 305, after the gap began (210): the host's
+              kernel("k3", 380, 20, 3),  # 20 us idle; launched at 306, before the gap began (360): the GPU's own
+              kernel("other_stream", 0, 5, 4, tid=8)]  # a stream with less kernel time: not the one read
+    result = analyse(events, min_us=5)
+    assert result["stream"] == [5, 7] and result["kernels"] == 3
+    assert abs(result["busy_ms"] - 0.170) < 1e-9 and abs(result["idle_ms"] - 0.120) < 1e-9
+    assert abs(result["host_late_ms"] - 0.100) < 1e-9 and abs(result["device_wait_ms"] - 0.020) < 1e-9
+    assert result["host_late_by_launcher"] == [("aten::add < layer", 1, 0.1)]
+    assert result["device_wait_before_kernel"] == [("k3", 1, 0.02)]
+    assert result["gap_sizes"]["50-500 us"] == {"count": 1, "ms": 0.1} and result["gap_sizes"]["5-50 us"] == {"count": 1, "ms": 0.02}
