@@ -145,3 +145,41 @@ def combine_backward(dy: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tens
         hidden, K=k, K_BLOCK=k_block, BLOCK_H=block, D_ROWS=d_rows is not None, D_W=d_w is not None, num_warps=8,
         enable_fp_fusion=_FP_FUSION)
     return d_rows, d_w
+
+
+# The same three functions as torch custom operators, for a compiled region that holds the gathers (the MoE block's
+# compiled body at ep = 1, ``layer.ExpertParallelMoE.compile_body``): torch.compile then calls each as one opaque
+# operator with a known output shape, instead of tracing into the launch code. Eager code calls the functions above
+# directly (no dispatcher round trip); ``dispatch.py`` picks by ``torch.compiler.is_compiling()``.
+@torch.library.custom_op("megablocks_utils::gather_sum", mutates_args=())
+def gather_sum_op(rows: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Tensor:
+    return gather_sum(rows, copy_row, k)
+
+
+@gather_sum_op.register_fake
+def _(rows, copy_row, k):
+    return rows.new_empty(copy_row.shape[0] // k, rows.shape[-1])
+
+
+@torch.library.custom_op("megablocks_utils::combine", mutates_args=())
+def combine_op(rows: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return combine(rows, copy_row, top_w, dtype)
+
+
+@combine_op.register_fake
+def _(rows, copy_row, top_w, dtype):
+    return rows.new_empty(top_w.shape[0], rows.shape[-1], dtype=dtype)
+
+
+@torch.library.custom_op("megablocks_utils::combine_backward", mutates_args=())
+def combine_backward_op(dy: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, rows: torch.Tensor | None,
+                        row_count: int, d_rows_dtype: torch.dtype, want_d_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``combine_backward`` with both outputs always tensors (an operator returns no None): an empty one where not asked."""
+    d_rows, d_w = combine_backward(dy, copy_row, top_w, rows, (row_count, d_rows_dtype) if want_d_rows else None)
+    return (dy.new_empty(0) if d_rows is None else d_rows), (top_w.new_empty(0) if d_w is None else d_w)
+
+
+@combine_backward_op.register_fake
+def _(dy, copy_row, top_w, rows, row_count, d_rows_dtype, want_d_rows):
+    d_rows = dy.new_empty(row_count, dy.shape[-1], dtype=d_rows_dtype) if want_d_rows else dy.new_empty(0)
+    return d_rows, (top_w.new_empty(0) if rows is None else torch.empty_like(top_w))
