@@ -60,8 +60,6 @@ def _fused_gather_sum(grad: torch.Tensor, copy_row: torch.Tensor, k: int) -> tor
     if FUSED_GATHERS == "triton":
         from megablocks_utils.moe import gather_kernels  # Triton: imported where a GPU runs it
 
-        if torch.compiler.is_compiling():  # inside the block's compiled body: the custom operator
-            return torch.ops.megablocks_utils.gather_sum(grad, copy_row, k)
         return gather_kernels.gather_sum(grad, copy_row, k)
     return fused(_gather_sum)(grad, copy_row, k)
 
@@ -152,8 +150,6 @@ class _GatherCombine(torch.autograd.Function):
         d_out, _, d_top_w = ctx.needs_input_grad[:3]
         ctx.save_for_backward(copy_row, top_w, out if d_top_w else None)
         ctx.d_out_like = (out.shape[0], out.dtype) if d_out else None
-        if torch.compiler.is_compiling():  # inside the block's compiled body: the custom operator
-            return torch.ops.megablocks_utils.combine(out, copy_row, top_w, dtype)
         return gather_kernels.combine(out, copy_row, top_w, dtype)
 
     @staticmethod
@@ -161,10 +157,6 @@ class _GatherCombine(torch.autograd.Function):
         from megablocks_utils.moe import gather_kernels
 
         copy_row, top_w, out = ctx.saved_tensors
-        if torch.compiler.is_compiling():  # inside the block's compiled body: the custom operator (tensors, not None)
-            rows, dtype = ctx.d_out_like or (0, dy.dtype)
-            d_out, d_top_w = torch.ops.megablocks_utils.combine_backward(dy, copy_row, top_w, out, rows, dtype, ctx.d_out_like is not None)
-            return (d_out if ctx.d_out_like is not None else None), None, (d_top_w if out is not None else None), None
         d_out, d_top_w = gather_kernels.combine_backward(dy, copy_row, top_w, out, ctx.d_out_like)
         return d_out, None, d_top_w, None
 

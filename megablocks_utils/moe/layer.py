@@ -117,29 +117,21 @@ class ExpertParallelExperts(nn.Module):
         local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.expert_tensors() if tensors is None else tensors)]
         return cast_weights(local, dtype, self.grad_divisor, self.compile_elementwise)
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None,
-                weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert (``LocalExperts``; ``counts_host``,
-        ``counts`` as a list, spares the per-expert loop a host sync). ``weights``: ``local_weights``' result, where
-        the caller took it already (the compiled body takes it outside the compiled region)."""
+        ``counts`` as a list, spares the per-expert loop a host sync)."""
         adapters = self._local_weights(x.dtype, self.lora.tensors()) if self.lora is not None else ()
-        weights = self._local_weights(x.dtype) if weights is None else weights
-        return self.local(x, counts, weights, counts_host, fuse=self.fuse_elementwise(x), lora=self.lora, adapters=adapters)
+        return self.local(x, counts, self._local_weights(x.dtype), counts_host, fuse=self.fuse_elementwise(x),
+                          lora=self.lora, adapters=adapters)
 
-    def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """This rank's expert tensors in ``dtype`` (local blocks, the cast whose backward divides the gradient)."""
-        return self._local_weights(dtype)
-
-    def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
-                weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts); with ``recompute``,
-        under torch.utils.checkpoint. ``weights``: ``local_weights(x.dtype)``, taken by the caller (else here)."""
+        under torch.utils.checkpoint."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self.route_and_compute, x, top_i, top_w, weights, use_reentrant=False)
-        return self.route_and_compute(x, top_i, top_w, weights)
+            return checkpoint(self.route_and_compute, x, top_i, top_w, use_reentrant=False)
+        return self.route_and_compute(x, top_i, top_w)
 
-    def route_and_compute(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
-                          weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    def route_and_compute(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """The forward's work: each token's k copies to their experts and back, weighted and summed.
 
         With ``overlap_chunks`` = C > 1 (and ep > 1) the tokens go through in C consecutive chunks whose
@@ -158,7 +150,7 @@ class ExpertParallelExperts(nn.Module):
         routes = [route(part_i, self.num_experts) for _, part_i, _ in parts]
         routed = [dispatch(part_x, r, k, fuse) for (part_x, _, _), r in zip(parts, routes)]
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
-            outs = [self.compute(routed[0], routes[0].counts, weights=weights)]
+            outs = [self.compute(routed[0], routes[0].counts)]
         else:
             outs = exchange(routed, [r.counts for r in routes], ep, self.num_local_experts, self._ep_group(), self.compute)
         combined = [combine(out, r, part_w, x.dtype, fuse) for out, r, (_, _, part_w) in zip(outs, routes, parts)]
@@ -208,7 +200,6 @@ class ExpertParallelMoE(nn.Module):
         self.record_router = False
         self.router_probs = None
         self.router_choices = None
-        self.compiled_body = None  # compile_body(): the block after its router as one compiled region
 
     @property
     def top_k_router(self) -> TopKRouter:
@@ -222,55 +213,18 @@ class ExpertParallelMoE(nn.Module):
             self.shared_gate_attr = gate_attr
             setattr(self, gate_attr, gate)
 
-    def can_compile_body(self) -> str | None:
-        """Why this block's body cannot run as one compiled region (``compile_body``), or None if it can."""
-        experts = self.experts
-        if type(experts) is not ExpertParallelExperts:
-            return "the megablocks backend"
-        if experts.ep_size != 1:
-            return "ep > 1 (the all-to-all's splits are read on the host)"
-        if not experts.compile_elementwise:
-            return "compile_elementwise is off"
-        if experts.lora is not None or experts.recompute:
-            return "LoRA or checkpoint_experts on the experts"
-        return None
-
-    def compile_body(self) -> None:
-        """Run everything after the router (dispatch, the local experts' grouped GEMMs, the combine, a shared expert)
-        as one torch.compile'd region: one call into compiled code per forward and per backward instead of some fifty
-        eager launches through Python and autograd, the step's host time at many small experts (bench/trace_gaps.py:
-        the GPU waited on the host in every forward at DeepSeek-V2-Lite's shape). CUDA, ep = 1 only
-        (``can_compile_body``). The router stays eager (its hooks, the routing record for the loss), and so do the
-        expert weights' local blocks and cast (DTensor internals that dynamo does not trace); the gathers' Triton
-        kernels enter the graph as custom operators (``gather_kernels``)."""
-        reason = self.can_compile_body()
-        if reason is not None:
-            raise ValueError(f"this MoE block's body cannot be compiled: {reason}")
-        from megablocks_utils.moe import gather_kernels  # noqa: F401  (registers the gathers' custom operators)
-
-        self.compiled_body = torch.compile(self.body)
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         probs, top_w, top_i = self.top_k_router(x)
         if self.record_router:
             self.router_probs, self.router_choices = probs, top_i
-        if self.compiled_body is not None and x.is_cuda:
-            out = self.compiled_body(x, top_i, top_w, self.experts.local_weights(x.dtype))
-        else:
-            out = self.body(x, top_i, top_w)
-        if self.returns_scores:
-            return out.reshape(shape), top_w
-        return out.reshape(shape)
-
-    def body(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
-             weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """The block after its router: x [T, H] routed by top_i/top_w [T, k] through the experts, plus a shared expert."""
-        out = self.experts(x, top_i, top_w, weights)
+        out = self.experts(x, top_i, top_w)
         if self.shared_expert_attr is not None:
             shared = getattr(self, self.shared_expert_attr)(x)
             if self.shared_gate_attr is not None:
                 shared = torch.sigmoid(getattr(self, self.shared_gate_attr)(x)) * shared
             out = out + shared
-        return out
+        if self.returns_scores:
+            return out.reshape(shape), top_w
+        return out.reshape(shape)

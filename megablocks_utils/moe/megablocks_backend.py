@@ -153,10 +153,9 @@ class MegablocksExperts(ExpertParallelExperts):
         gate, up = gmm(x, w_gate_up, batch_sizes, trans_b=True).chunk(2, dim=-1)
         return gmm(self.local.act_fn(gate) * up, w_down, batch_sizes, trans_b=True)
 
-    def route_and_compute(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, weights=None) -> torch.Tensor:
+    def route_and_compute(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H]: megablocks' dropless forward with our routing (the base class's
-        ``forward`` calls it, under checkpoint with ``recompute``; megablocks takes its weights itself: ``weights``
-        is always None here, as only the native layer's body is compiled)."""
+        ``forward`` calls it, under checkpoint with ``recompute``)."""
         # scores (for megablocks' own load-balancing loss) are not needed: moe_loss_weight=0.
         return self.dropless(x, None, top_w, top_i)
 

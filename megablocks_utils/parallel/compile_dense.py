@@ -8,15 +8,11 @@ becomes a few fused kernels. At Mixtral width on 4x H200 that made a training st
 used 2 GiB less memory (bench/reports/parity_throughput_megablocks_h100-h200_2026-11-20-21.md).
 
 Call it before ``fully_shard`` (FSDP2 hooks sit on the decoder layer, outside the compiled parts).
-
-``compile_moe_bodies``: where ep = 1 (no all-to-all, so no host sync in the MoE block), each MoE block after its
-router runs as one compiled region too (``ExpertParallelMoE.compile_body`` says why and what stays eager).
 """
 
 import torch.nn as nn
 
 from megablocks_utils.model.architectures import decoder_layers
-from megablocks_utils.model.build import moe_blocks
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -43,16 +39,4 @@ def compile_dense_parts(model: nn.Module) -> int:
     if isinstance(final_norm, nn.Module) and _is_norm(final_norm):
         final_norm.compile()
         compiled += 1
-    return compiled
-
-
-def compile_moe_bodies(model: nn.Module) -> int:
-    """Compile the body of each MoE block that allows it (``ExpertParallelMoE.can_compile_body``: native layer, ep = 1,
-    no LoRA, no expert recompute); returns how many. The caller decides where it is safe: not inside checkpointed
-    layers, not with FSDP on the experts (its hooks run at the experts' call, which is inside the body)."""
-    compiled = 0
-    for block in moe_blocks(model):
-        if block.can_compile_body() is None:
-            block.compile_body()
-            compiled += 1
     return compiled

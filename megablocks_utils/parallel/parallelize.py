@@ -10,8 +10,7 @@
 2. Activation checkpointing per decoder layer ("full" or "selective", on all layers or on a count of
    them; ``checkpointing.py``). It wraps the layer's forward, so it comes before FSDP's hooks and before
    compile.
-3. compile: each layer's attention and norms (``compile_dense.py``), CUDA only; at ep = 1 with no layer
-   checkpointing and no FSDP on the experts, each MoE block after its router as well (``compile_moe_bodies``).
+3. compile: each layer's attention and norms (``compile_dense.py``), CUDA only.
 4. FSDP2, inner modules first (not where it would shard over one rank and cast nothing, as on one rank
    whose parameters are already the compute dtype: FSDP would only copy every weight and gradient;
    ``needs_fsdp``, ``experts_need_fsdp``): each MoE block's experts over ``mesh.expert_fsdp`` (HSDP:
@@ -36,7 +35,7 @@ from megablocks_utils.model.lora import is_adapter_name
 from megablocks_utils.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
-from megablocks_utils.parallel.compile_dense import compile_dense_parts, compile_moe_bodies
+from megablocks_utils.parallel.compile_dense import compile_dense_parts
 from megablocks_utils.parallel.mesh import MoEMesh
 
 
@@ -61,8 +60,7 @@ def parallelize(
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
     it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
     the experts wherever dp = 1 (``experts_need_fsdp``). Returns the number
-    of attention and norm modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print (the MoE blocks
-    whose bodies were compiled say so: ``ExpertParallelMoE.compiled_body``).
+    of modules compiled (0 unless ``compile_dense`` on CUDA), for the script to print.
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
         shard_moe(model, mesh, device=device)
@@ -70,8 +68,6 @@ def parallelize(
     compiled = 0
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)
-        if activation_checkpointing == "none" and not experts_need_fsdp(mesh):
-            compile_moe_bodies(model)
     if fsdp:  # 4.
         _apply_fsdp(model, mesh, param_dtype, reshard_after_forward)
     return compiled
