@@ -161,8 +161,10 @@ def ours(run: str, args, work: str) -> dict:
              "ours_chat_full_logits": ["--chunked_loss", "false"]}.get(run, [])
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", *launcher, os.path.join(ROOT, "train_fsdp2.py"),
-               "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps, args.seq), "--output_dir",
+    # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).
+    parallel = ["--ep_size", str(args.ep)] if args.ep > 1 else []
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", *launcher, os.path.join(ROOT, "train_fsdp2.py"),
+               *parallel, "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps * args.ep, args.seq), "--output_dir",
                out_dir, "--max_length", str(args.seq), "--per_device_train_batch_size", str(MICRO_BATCH),
                "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps",
                str(steps), *extra]
@@ -336,8 +338,13 @@ def main() -> None:
     p.add_argument("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)")
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per row (4096; shorter for a CPU smoke test)")
     p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")
+    p.add_argument("--ep", type=int, default=1, help="ours on this many GPUs with ep_size = N (tokens/s: all of them; TFLOPS: "
+                   "per GPU); transformers' side runs on one GPU, so its runs are refused with N > 1")
     p.add_argument("--hf_run", default="", help=argparse.SUPPRESS)  # internal: one transformers run in this process
     args = p.parse_args()
+    if args.ep > 1 and any(run.startswith("hf_") for run in args.runs.split(",")):
+        p.error(f"--ep {args.ep}: transformers' model runs on one GPU here; give only ours' runs (--runs ours_synthetic,...) "
+                "and compare TFLOPS per GPU")
     args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}"
     from routing_skew import parse_routing  # torch: not at this file's import (bench/run.py reads RUNS)
 
@@ -353,7 +360,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     written_s = write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
     common = {"shape": args.shape, "layers": args.layers, "seq": args.seq, "micro_batch": MICRO_BATCH, "grad_accum": GRAD_ACCUM,
-              "warmup": args.warmup, "routing": args.routing, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "warmup": args.warmup, "routing": args.routing, "ep": args.ep, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "date": str(date.today())}
     if written_s is not None:
         common["checkpoint_written_s"] = round(written_s, 1)

@@ -346,9 +346,11 @@ def routing_skew(s: Session) -> str:
          option("--warmup", type=int, default=4), option("--steps", type=int, default=16), option("--chat_steps", type=int, default=46),
          option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"),
          option("--base", default="", help="also the same runs at an earlier commit (a copy of it, e.g. git archive C | tar -x -C DIR)"),
-         option("--base_runs", default="", help="--base: only these runs at the earlier commit (default: --runs)"))
+         option("--base_runs", default="", help="--base: only these runs at the earlier commit (default: --runs)"),
+         option("--ep", type=int, default=1, help="ours on this many GPUs, ep_size = N (ours' runs only)"))
 def real_data(s: Session) -> str:
-    """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows and routing.
+    """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows and routing
+    (--ep N: ours alone on N GPUs).
 
     bench/real_data.py: synthetic full-length rows, real alpaca and chat records, every attention kernel; --routing
     balanced or skew:R routes both sides alike; with --base the same runs again with an earlier commit's code (its rows
@@ -360,7 +362,7 @@ def real_data(s: Session) -> str:
     runs = a.runs or ",".join(RUNS)
     command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--runs", runs,
                "--routing", a.routing, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
-               "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else [])]
+               "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else []), "--ep", str(a.ep)]
     routing = "" if a.routing == "own" else "_" + a.routing.replace(":", "")
     s.run(f"{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1))
     if a.base:  # its own bench/real_data.py and train_fsdp2.py; the same checkpoint (/tmp/<shape>-L<layers>) and rows

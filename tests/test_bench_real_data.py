@@ -31,3 +31,10 @@ def test_both_sides_train_the_shrunk_shape_with_the_same_balanced_routing(shape,
     assert hf["experts_implementation"] == "grouped_mm"
     assert hf["attention"] == ("sdpa" if shape == "deepseek_v2_lite" else "eager")  # gpt-oss's sinks: eager on CPU
     assert "attention auto" in ours["launch"]
+
+
+def test_ep_runs_ours_alone():
+    """--ep N puts ours on N GPUs; transformers' side runs on one, so asking for both at N > 1 stops with the fix."""
+    proc = subprocess.run([sys.executable, os.path.join("bench", "real_data.py"), "--ep", "2", "--runs", "ours_synthetic,hf_synthetic"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give only ours' runs" in proc.stderr, proc.stderr[-1000:]
