@@ -249,7 +249,7 @@ from megablocks_utils.train.output_dir import (
 )
 from megablocks_utils.train.run_log import MetricsLog
 from megablocks_utils.train.step import StepLoss
-from megablocks_utils.train.stop_signal import StopSignal
+from megablocks_utils.train.stop_signal import StopSignal, exit_stopped
 
 # ----------------------------------------------------------------------------- process group
 device = args.device  # sets up accelerate's process state and the process group
@@ -542,8 +542,7 @@ if stop_signal.stopping and result.global_step < total_steps:
     if master:
         print(f"SIGTERM: saved {os.path.join(args.output_dir, f'checkpoint-{result.global_step}')}; "
               "continue with --resume_from_checkpoint last", flush=True)
-    dist.destroy_process_group()
-    sys.exit(0)
+    exit_stopped()
 wrapped = trainer.model_wrapped
 sharding = sharding_facts(wrapped)
 

@@ -184,7 +184,7 @@ from megablocks_utils.train.output_dir import (
 from megablocks_utils.train.run_log import MetricsLog
 from megablocks_utils.train.step import StepLoss
 from megablocks_utils.train.step_clock import StepClock
-from megablocks_utils.train.stop_signal import StopSignal
+from megablocks_utils.train.stop_signal import StopSignal, exit_stopped
 from megablocks_utils.train.tensorboard_writer import TensorBoardWriter  # noqa: E402
 
 # ----------------------------------------------------------------------------- process group
@@ -413,8 +413,7 @@ for step in range(start_step, total_steps):
             progress.close()
             print(f"SIGTERM: saved {os.path.join(checkpoint_root, 'step_%08d' % (step + 1))}; "
                   "continue with --resume auto", flush=True)
-        dist.destroy_process_group()
-        sys.exit(0)
+        exit_stopped()
 runtime = time.perf_counter() - run_start
 
 # ----------------------------------------------------------------------------- summary and export
