@@ -330,6 +330,12 @@ def main() -> None:
     args, script_args = p.parse_known_args()
     if args.inner:
         return (phases if args.phases else inner)(args, script_args)
+    from routing_skew import parse_routing
+
+    try:
+        parse_routing(args.routing)
+    except ValueError as e:
+        p.error(str(e))
     from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ, data_file, write_checkpoint
 
     args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}{'-shrunk' if args.shrink else ''}"
