@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import TWO_RANK_ARGS, ROOT, free_port, read_jsonl, standard_args
+from conftest import ROOT, TWO_RANK_ARGS, free_port, read_jsonl, standard_args
 
 
 def descendants(pid: int) -> list[int]:
