@@ -9,7 +9,6 @@ Edit the settings below or override any of them from a file (--config run.yaml) 
 
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 

@@ -40,8 +40,14 @@ def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: f
 def _gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool) -> torch.Tensor:
     """The fused [rows, 2I] projection -> [rows, I] through gpt-oss's clamped SwiGLU (compiled as one kernel each way
     on CUDA: ``fused``; eager, its strided split and clamps were ~150 ms of a gpt-oss-20b step, bench/profile_steps.py)."""
-    gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, dim=-1)
-    return _clamped_swiglu(gate, up, alpha, limit)
+    return _clamped_swiglu(*_split_gate_up(gate_up, interleaved), alpha, limit)
+
+
+def _split_gate_up(gate_up: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up from the fused projection: alternating columns (``interleaved``) or the two halves."""
+    if interleaved:
+        return gate_up[..., ::2], gate_up[..., 1::2]
+    return gate_up.chunk(2, dim=-1)
 
 
 def expert_one_hot(counts: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -107,16 +113,11 @@ class LocalExperts:
             return self.grouped(x, counts, weights, fuse, lora, adapters)
         return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
 
-    def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.interleaved:
-            return gate_up[..., ::2], gate_up[..., 1::2]
-        return gate_up.chunk(2, dim=-1)
-
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The fused [rows, 2I] projection -> [rows, I]: the GLU of the model's activation."""
         if self.clamped_swiglu is not None:
             return _gpt_oss_glu(gate_up, *self.clamped_swiglu, self.interleaved)
-        gate, up = self._split(gate_up)
+        gate, up = _split_gate_up(gate_up, self.interleaved)
         return self.act_fn(gate) * up
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool, lora=None,
