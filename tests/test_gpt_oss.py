@@ -134,7 +134,7 @@ def test_one_local_expert_gemm_equals_the_expert_loop(monkeypatch, arch):
     loop = experts.compute(x, counts, [30])
     loop_grads = torch.autograd.grad(loop.square().sum(), [x, *params])
     monkeypatch.setattr(moe_experts, "grouped_mm_supported", lambda t: True)
-    monkeypatch.setattr(moe_experts, "_grouped_mm", lambda *a, **k: pytest.fail("one local expert must not use grouped_mm"))
+    monkeypatch.setattr(moe_experts, "grouped_mm", lambda *a, **k: pytest.fail("one local expert must not use grouped_mm"))
     gemm = experts.compute(x, counts)
     torch.testing.assert_close(gemm, loop, rtol=TOL, atol=1e-6)
     for got, expected in zip(torch.autograd.grad(gemm.square().sum(), [x, *params]), loop_grads):

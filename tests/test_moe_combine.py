@@ -118,5 +118,5 @@ def test_force_loop_runs_the_per_expert_loop_where_grouped_gemms_would_run(monke
     grouped = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), "silu")
     grouped.set_weights(*(torch.nn.Parameter(w.clone()) for w in weights))
     torch.testing.assert_close(grouped(x, top_i, top_w), reference, rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(moe_experts, "_grouped_mm", lambda *a, **k: pytest.fail("force_loop must not use grouped_mm"))
+    monkeypatch.setattr(moe_experts, "grouped_mm", lambda *a, **k: pytest.fail("force_loop must not use grouped_mm"))
     torch.testing.assert_close(looped(x, top_i, top_w), reference, rtol=0, atol=0)

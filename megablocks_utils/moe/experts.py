@@ -10,17 +10,12 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from megablocks_utils.moe.fused import fused
+from megablocks_utils.moe.weight_grad import WeightGradInto, grouped_mm, grouped_mm_grad_into
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """torch's grouped GEMM kernels need CUDA sm80+ and bf16; elsewhere we loop over experts."""
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if hasattr(F, "grouped_mm"):  # public since torch 2.12
-        return F.grouped_mm(a, b, offs=offs)
-    return torch._grouped_mm(a, b, offs=offs)  # the same kernel under its older name
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -102,16 +97,25 @@ class LocalExperts:
 
     def __call__(
         self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], counts_host: list[int] | None = None, *,
-        fuse: bool = False, lora=None, adapters: tuple[torch.Tensor, ...] = ()
+        fuse: bool = False, lora=None, adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None
     ) -> torch.Tensor:
         """``counts`` rows of ``x`` per local expert through their experts. ``counts_host`` (``counts`` as a list)
         is needed only by the per-expert loop; without it the loop reads ``counts`` itself, a host sync that the
         grouped GEMM path never makes. ``fuse``: the GLU (SiLU * up, or gpt-oss's clamped SwiGLU) as one compiled
         kernel (CUDA). ``lora``/``adapters``: the experts' LoRA (moe/lora.py) and the local blocks of its tensors,
-        added after each projection."""
+        added after each projection. ``grads_into`` (only where ``uses_grouped_gemms``): gate_up's and down's gradients
+        added by the GEMMs' backward into their parameters (``weight_grad.py``), whose weights then come without
+        autograd edge."""
+        if grads_into is not None and not self.uses_grouped_gemms(x, counts):
+            raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms)")
         if grouped_mm_supported(x) and not self.force_loop:
-            return self.grouped(x, counts, weights, fuse, lora, adapters)
+            return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into)
         return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
+
+    def uses_grouped_gemms(self, x: torch.Tensor, counts: torch.Tensor) -> bool:
+        """Whether these rows go through torch's grouped GEMM: CUDA sm80+ bf16, more than one local expert (one
+        takes plain GEMMs), and not ``force_loop``."""
+        return grouped_mm_supported(x) and not self.force_loop and len(counts) > 1
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The fused [rows, 2I] projection -> [rows, I]: the GLU of the model's activation."""
@@ -121,7 +125,7 @@ class LocalExperts:
         return self.act_fn(gate) * up
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool, lora=None,
-                adapters: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None) -> torch.Tensor:
         """All local experts in one grouped GEMM per projection; ``counts`` stays on the device (no host sync)."""
         has_bias = len(weights) == 4
         w_gate_up, w_down = weights[:2]
@@ -134,11 +138,15 @@ class LocalExperts:
             add_bias = lambda rows, bias: rows + bias[0]  # noqa: E731
         else:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            gemm = lambda a, w: _grouped_mm(a, w, offs)  # noqa: E731
+            gemm = lambda a, w: grouped_mm(a, w, offs)  # noqa: E731
             if has_bias:
                 one_hot = expert_one_hot(counts, x.shape[0], x.dtype)
                 add_bias = lambda rows, bias: add_expert_bias(rows, one_hot, bias)  # noqa: E731
-        gate_up = gemm(x, w_gate_up)
+        gemm_gate_up = gemm_down = gemm
+        if grads_into is not None:  # the weights as stored ([E, 2I, H] unless transposed), their gradients into place
+            gemm_gate_up = lambda a, w: grouped_mm_grad_into(a, weights[0], offs, grads_into[0], not self.transposed)  # noqa: E731
+            gemm_down = lambda a, w: grouped_mm_grad_into(a, weights[1], offs, grads_into[1], not self.transposed)  # noqa: E731
+        gate_up = gemm_gate_up(x, w_gate_up)
         if adapters:  # two more grouped GEMMs on the same rows: x @ A_e, then @ B_e (no delta weight)
             gate_up = lora.add("gate_up_proj", gate_up, x, adapters, gemm)
         if has_bias:
@@ -149,7 +157,7 @@ class LocalExperts:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)
         else:
             hidden = self.activate(gate_up)
-        out = gemm(hidden, w_down)
+        out = gemm_down(hidden, w_down)
         if adapters:
             out = lora.add("down_proj", out, hidden, adapters, gemm)
         return add_bias(out, weights[3]) if has_bias else out

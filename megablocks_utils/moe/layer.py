@@ -15,6 +15,7 @@ over dp and scales it the way FSDP scales dense gradients (``grads.py``).
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -22,6 +23,7 @@ from megablocks_utils.moe.cast import cast_weights
 from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
 from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.router import TopKRouter
+from megablocks_utils.moe.weight_grad import WeightGradInto
 from megablocks_utils.parallel.mesh import MoEMesh
 
 
@@ -83,6 +85,8 @@ class ExpertParallelExperts(nn.Module):
         self.grad_divisor = 1
         self.lora = None  # finetuning="lora": the experts' adapters (moe/lora.py ExpertLoRA), added by model/lora.py
         self.recompute = False  # keep only the inputs; rerun the forward in the backward (checkpoint_experts)
+        # The grouped GEMMs' backward adds the weights' gradients into .grad itself (owns_weight_grads); off: autograd's.
+        self.weight_grads_in_gemm = True
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
@@ -117,12 +121,33 @@ class ExpertParallelExperts(nn.Module):
         local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.expert_tensors() if tensors is None else tensors)]
         return cast_weights(local, dtype, self.grad_divisor, self.compile_elementwise)
 
+    def owns_weight_grads(self, x: torch.Tensor, counts: torch.Tensor) -> bool:
+        """Whether the GEMMs' backward adds gate_up's and down's gradients into ``.grad`` itself (``weight_grad.py``):
+        ``weight_grads_in_gemm`` on, grouped GEMMs, weights that need a gradient and that FSDP does not manage
+        (FSDP reduces the gradient autograd gives its unsharded weights)."""
+        return (self.weight_grads_in_gemm and torch.is_grad_enabled() and not isinstance(self, FSDPModule)
+                and self.gate_up_proj.requires_grad and self.down_proj.requires_grad and self.local.uses_grouped_gemms(x, counts))
+
+    @torch.compiler.disable  # as _local_weights
+    def _weights_grads_into(self, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[WeightGradInto, ...]]:
+        """The weights for ``owns_weight_grads``: gate_up's and down's local blocks in ``dtype`` without autograd edge,
+        the biases as ``_local_weights`` gives them, and where gate_up's and down's gradients go."""
+        with torch.no_grad():
+            projections = [(w.to_local() if isinstance(w, DTensor) else w).to(dtype) for w in (self.gate_up_proj, self.down_proj)]
+        biases = self._local_weights(dtype, self.expert_tensors()[2:]) if self.has_bias else ()
+        into = tuple(WeightGradInto(w, self.grad_divisor) for w in (self.gate_up_proj, self.down_proj))
+        return (*projections, *biases), into
+
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert (``LocalExperts``; ``counts_host``,
         ``counts`` as a list, spares the per-expert loop a host sync)."""
         adapters = self._local_weights(x.dtype, self.lora.tensors()) if self.lora is not None else ()
-        return self.local(x, counts, self._local_weights(x.dtype), counts_host, fuse=self.fuse_elementwise(x),
-                          lora=self.lora, adapters=adapters)
+        if self.owns_weight_grads(x, counts):
+            weights, grads_into = self._weights_grads_into(x.dtype)
+        else:
+            weights, grads_into = self._local_weights(x.dtype), None
+        return self.local(x, counts, weights, counts_host, fuse=self.fuse_elementwise(x), lora=self.lora, adapters=adapters,
+                          grads_into=grads_into)
 
     def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts); with ``recompute``,
