@@ -161,7 +161,6 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
-from megablocks_utils.train.garbage import StepGarbageCollection  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402
 from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
@@ -349,7 +348,6 @@ world_group = mesh.world.get_group()
 
 run_start = time.perf_counter()
 clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
-collector = StepGarbageCollection()  # Python's garbage collected once per step, not during the forwards (train/garbage.py)
 for step in range(start_step, total_steps):
     clock.start()
     micro_batches, step_label_tokens = batches.micro_batches(step)
@@ -384,7 +382,6 @@ for step in range(start_step, total_steps):
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
     optimizer.zero_grad(set_to_none=True)
-    collector.step()  # while the GPU runs the optimizer
     # No sync here: the host reads and launches the next step while the GPU runs this one's optimizer. Before an eval, a
     # checkpoint or the end, the GPU drains and this step's time takes its optimizer (they are not training time).
     evaluating = eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps)
@@ -417,7 +414,6 @@ for step in range(start_step, total_steps):
                   "continue with --resume auto", flush=True)
         exit_stopped()
 runtime = time.perf_counter() - run_start
-collector.close()
 
 # ----------------------------------------------------------------------------- summary and export
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
