@@ -26,7 +26,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """torch's grouped GEMM (CUDA sm80+, bf16): rows of ``a`` in groups ending at ``offs``, each times its ``b``."""
     if hasattr(F, "grouped_mm"):  # public since torch 2.12
         return F.grouped_mm(a, b, offs=offs)
-    return torch.grouped_mm(a, b, offs=offs)  # the same kernel under its older name
+    return torch._grouped_mm(a, b, offs=offs)  # the same kernel under its older name
 
 
 class WeightGradInto:
@@ -45,8 +45,9 @@ class WeightGradInto:
         if grad is None:
             fresh = grouped_mm(a.t(), b, offs)  # [E, M, N], the parameter's layout
             if fresh.dtype != self.param.dtype or self.divisor != 1:
-                exact = self.divisor == 2 ** round(math.log2(self.divisor))  # compiled, x / d may become x * (1 / d)
-                fresh = (fused(_divide_cast) if exact else _divide_cast)(fresh, self.divisor, self.param.dtype)
+                # Compiled (CUDA) only for a power of two: there x / d may become x * (1 / d) without changing a bit.
+                compile_it = fresh.is_cuda and self.divisor == 2 ** round(math.log2(self.divisor))
+                fresh = (fused(_divide_cast) if compile_it else _divide_cast)(fresh, self.divisor, self.param.dtype)
             if isinstance(self.param, DTensor):
                 fresh = DTensor.from_local(fresh, self.param.device_mesh, self.param.placements,
                                            shape=self.param.shape, stride=self.param.stride(), run_check=False)
