@@ -44,6 +44,9 @@ class ExpertParallelExperts(nn.Module):
     gradient division (``fused.py``), and run the weighted combine of the k outputs (both ways) and the dispatch's
     backward as our Triton kernels (``gather_kernels.py``).
     ``overlap_chunks``: with ep > 1, tokens in this many chunks, one's all-to-all beside another's experts (forward).
+    ``weight_grads_in_gemm`` (an attribute, on by default): where the layer owns its weights' gradients (``owns_weight_grads``:
+    grouped GEMMs, no FSDP on the experts) the GEMMs' backward adds gate_up's and down's gradients into ``.grad`` itself
+    (``weight_grad.py``) instead of autograd's fresh gradient and ``add_`` at every micro-step.
 
     ``recompute`` (set by ``apply_activation_checkpointing``, the scripts' ``checkpoint_experts``): the forward keeps
     only its inputs and reruns itself in the backward (torch.utils.checkpoint, non-reentrant). What it saves otherwise,
