@@ -2,7 +2,8 @@
 ``moe/weight_grad_kernel.py``) on CPU, through Triton's interpreter: the kernel against float64 sums (fresh, adding,
 divided, empty groups, an output of other strides), and three micro-steps of ``grouped_mm_grad_into`` against
 autograd through torch's grouped GEMM, for both weight layouts, a DTensor weight (its gradient a DTensor of the same
-placements) and fp32 weights divided by 2.
+placements) and fp32 weights divided by 2; and the layer's wiring (``owns_weight_grads``) with CPU's fp32 grouped GEMM
+standing in for CUDA's.
 
 The interpreter is switched on when Triton is imported (``TRITON_INTERPRET=1``), so the checks run in one child
 process (this file as a script) and each test asserts one claim on its JSON report. The interpreter's bf16 dot is
@@ -103,10 +104,49 @@ def _function_checks(torch) -> dict:
     return found
 
 
+def _layer_checks(torch) -> dict:
+    """The layer's wiring (``ExpertParallelExperts.owns_weight_grads``), with CPU's fp32 grouped GEMM standing in for
+    CUDA's: three micro-steps with ``weight_grads_in_gemm`` on and off, Mixtral's layout and gpt-oss's (transposed,
+    interleaved, biases), and when the layer must leave the gradients to autograd."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe import experts as moe_experts
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+
+    moe_experts.grouped_mm_supported = lambda x: True  # CPU's grouped GEMM takes fp32: the CUDA path's code on CPU
+    torch.manual_seed(3)
+    found = {}
+    layouts = {"mixtral": ("silu", {}, [(4, 64, 32), (4, 32, 32)]),
+               "gpt_oss": ("gpt_oss_swiglu", {"transposed": True, "interleaved": True, "bias": True, "alpha": 1.702, "limit": 7.0},
+                           [(4, 32, 64), (4, 32, 32), (4, 64), (4, 32)])}
+    for name, (act, options, shapes) in layouts.items():
+        weights = [0.1 * torch.randn(shape) for shape in shapes]
+        x = torch.randn(3, 64, 32)
+        top_i = torch.randint(0, 3, (3, 64, 2))  # expert 3 gets no rows
+        top_w = torch.rand(3, 64, 2).softmax(-1)
+        grads, owned = {}, {}
+        for on in (True, False):
+            layer = ExpertParallelExperts(4, SimpleNamespace(ep_size=1), act, compile_elementwise=False, **options)
+            layer.set_weights(*(torch.nn.Parameter(w.clone()) for w in weights))
+            layer.weight_grads_in_gemm = on
+            owned[on] = layer.owns_weight_grads(x[0], torch.zeros(4))
+            for i in range(3):
+                layer(x[i].clone().requires_grad_(), top_i[i], top_w[i]).square().sum().backward()
+            grads[on] = {n: p.grad for n, p in layer.named_parameters()}
+        with torch.no_grad():
+            no_grad_owned = layer.owns_weight_grads(x[0], torch.zeros(4))
+        layer.gate_up_proj.requires_grad_(False)  # frozen weights (LoRA): autograd's path, which then computes no dW
+        frozen_owned = layer.owns_weight_grads(x[0], torch.zeros(4))
+        found[name] = {"owned_on": owned[True], "owned_off": owned[False], "no_grad": no_grad_owned, "frozen": frozen_owned,
+                       "rel": max(float((grads[True][n] - grads[False][n]).abs().max() / grads[False][n].abs().max()) for n in grads[False]),
+                       "empty_expert_zero": bool((grads[True]["gate_up_proj"][3] == 0).all())}
+    return found
+
+
 def _measure() -> dict:
     import torch
 
-    return {"kernel": _kernel_checks(torch), "function": _function_checks(torch)}
+    return {"kernel": _kernel_checks(torch), "function": _function_checks(torch), "layer": _layer_checks(torch)}
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +185,12 @@ def test_gradient_added_in_place_equals_autograds(found):
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     print(json.dumps(_measure()))
+
+
+def test_the_layer_adds_its_weight_gradients_in_the_gemm_only_where_it_owns_them(found):
+    """The layer with CPU's grouped GEMM standing in for CUDA's: three micro-steps' gradients with the weight gradients
+    added in the GEMM equal autograd's (fp32, 1e-6), in Mixtral's and gpt-oss's layouts (an expert without rows: zeros);
+    the layer takes them only with the switch on, gradients enabled and weights that need one."""
+    for name, got in found["layer"].items():
+        assert got["owned_on"] and not got["owned_off"] and not got["no_grad"] and not got["frozen"], (name, got)
+        assert got["rel"] <= 1e-6 and got["empty_expert_zero"], (name, got)
