@@ -6,7 +6,7 @@ bf16 and fp16 within one ulp (the interpreter truncates where a GPU rounds to ne
 
 The interpreter is switched on when Triton is imported (``TRITON_INTERPRET=1``), so the kernels run in one child
 process (this file as a script) and each test asserts one claim on its JSON report. Triton is not in
-requirements-test.txt (CPU torch does not bring it): without it these tests skip, and tests/gpu/test_gather_kernels.py
+requirements-test.txt installs it (CPU torch does not bring it); without it these tests skip, and tests/gpu/test_gather_kernels.py
 checks the same kernels on a GPU.
 """
 
@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
-    reason="needs triton (its CPU interpreter runs the kernels); requirements-test.txt does not install it, "
+    reason="needs triton (its CPU interpreter runs the kernels; requirements-test.txt installs it); "
     "tests/gpu/test_gather_kernels.py covers the kernels on a GPU",
 )
 

@@ -8,7 +8,7 @@ standing in for CUDA's.
 The interpreter is switched on when Triton is imported (``TRITON_INTERPRET=1``), so the checks run in one child
 process (this file as a script) and each test asserts one claim on its JSON report. The interpreter's bf16 dot is
 wrong (it reads the bits as integers), so the CPU checks compute in fp32 and fp16; tests/gpu/test_moe_layer.py checks
-bf16 on a GPU. Without Triton (requirements-test.txt does not install it) these tests skip.
+bf16 on a GPU. requirements-test.txt installs Triton; without it these tests skip.
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
-    reason="needs triton (its CPU interpreter runs the kernel); requirements-test.txt does not install it, "
+    reason="needs triton (its CPU interpreter runs the kernel; requirements-test.txt installs it); "
     "tests/gpu/test_moe_layer.py covers the kernel on a GPU",
 )
 
