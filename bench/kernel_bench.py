@@ -126,7 +126,6 @@ def bench_experts(rows_per_expert: int, report):
             ms = timed(fn, iters=10, warmup=3) - swiglu_ms
             report({"piece": "experts", "variant": name, "local_experts": local, "rows": total,
                     "ms_gemms_fwd_bwd": ms, "tflops": flops / ms / 1e9})
-        del w1, w2, x, g, gu, gh
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = timed(lambda: a @ b, iters=20)

@@ -90,15 +90,15 @@ def main() -> None:
         for q in params:
             q.grad = torch.randn_like(q) * 1e-3
         if variant == "clip":
-            step = lambda: grads.clip_grad_norm_(params, 1.0)  # noqa: E731
+            step = lambda params=params: grads.clip_grad_norm_(params, 1.0)  # noqa: E731
             moved = numel * dtype.itemsize * 3  # norm: read; scale: read + write
         elif variant.startswith("adamw_bf16_clip"):
             opt = adamw_bf16(params, variant)
             if variant.startswith("adamw_bf16_clip_folded"):
-                step = lambda: clipped_step(opt, grads.grad_norm_and_clip_coef(params, 1.0)[1])  # noqa: E731
+                step = lambda params=params, opt=opt: clipped_step(opt, grads.grad_norm_and_clip_coef(params, 1.0)[1])  # noqa: E731
                 moved = numel * dtype.itemsize * 8  # the norm's read, then the step's 7
             else:
-                step = lambda: (grads.clip_grad_norm_(params, 1.0), opt.step())  # noqa: E731
+                step = lambda params=params, opt=opt: (grads.clip_grad_norm_(params, 1.0), opt.step())  # noqa: E731
                 moved = numel * dtype.itemsize * 10  # the clip's 3 passes, then the step's 7
         else:
             if variant.startswith("adamw_bf16"):
