@@ -347,29 +347,51 @@ def routing_skew(s: Session) -> str:
          option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"),
          option("--base", default="", help="also the same runs at an earlier commit (a copy of it, e.g. git archive C | tar -x -C DIR)"),
          option("--base_runs", default="", help="--base: only these runs at the earlier commit (default: --runs)"),
-         option("--ep", type=int, default=1, help="ours on this many GPUs, ep_size = N (ours' runs only)"))
+         option("--ep", type=int, default=1, help="ours on this many GPUs, ep_size = N (ours' runs only)"),
+         option("--repeats", type=int, default=1, help="ours' runs (and --base's) this many times, interleaved; "
+                "transformers' once: a summary of the median over repeats of each run's median step"))
 def real_data(s: Session) -> str:
     """One GPU: ours on synthetic and on real records beside transformers' own model on the same rows and routing
     (--ep N: ours alone on N GPUs).
 
     bench/real_data.py: synthetic full-length rows, real alpaca and chat records, every attention kernel; --routing
     balanced or skew:R routes both sides alike; with --base the same runs again with an earlier commit's code (its rows
-    named "base ..."): before/after in one call."""
+    named "base ..."): before/after in one call. Ours' step time moves by up to ±10% from one launch to the next on a
+    lent H200 (its forwards are paced by the host): --repeats R alternates the two sides R times."""
     from real_data import RUNS
     from real_data import table as real_data_table
 
     a = s.args
     runs = a.runs or ",".join(RUNS)
-    command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--runs", runs,
-               "--routing", a.routing, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
-               "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else []), "--ep", str(a.ep)]
+    base_runs = a.base_runs or runs
     routing = "" if a.routing == "own" else "_" + a.routing.replace(":", "")
-    s.run(f"{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(runs.split(",")) + 1))
-    if a.base:  # its own bench/real_data.py and train_fsdp2.py; the same checkpoint (/tmp/<shape>-L<layers>) and rows
-        base_runs = a.base_runs or runs
-        command[command.index("--runs") + 1] = base_runs
-        s.run(f"base_{a.shape}_L{a.layers}{routing}", command, a.run_timeout * (len(base_runs.split(",")) + 1), cwd=os.path.abspath(a.base))
-    return real_data_table([dict(r, run=("base " if r["name"].startswith("base_") else "") + r.get("run", r["name"])) for r in s.records])
+    for repeat in range(a.repeats):
+        suffix = f"_r{repeat + 1}" if a.repeats > 1 else ""
+        ours_only = lambda names, first=repeat == 0: names if first else ",".join(r for r in names.split(",") if not r.startswith("hf"))  # noqa: E731
+        these = ours_only(runs)
+        command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--runs", these,
+                   "--routing", a.routing, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
+                   "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else []), "--ep", str(a.ep)]
+        if these:
+            s.run(f"{a.shape}_L{a.layers}{routing}{suffix}", command, a.run_timeout * (len(these.split(",")) + 1))
+        if a.base and ours_only(base_runs):  # its own real_data.py and train_fsdp2.py; the same checkpoint and rows
+            command[command.index("--runs") + 1] = ours_only(base_runs)
+            s.run(f"base_{a.shape}_L{a.layers}{routing}{suffix}", command, a.run_timeout * (len(base_runs.split(",")) + 1),
+                  cwd=os.path.abspath(a.base))
+    rows = [dict(r, run=("base " if r["name"].startswith("base_") else "") + r.get("run", r["name"])) for r in s.records]
+    return real_data_table(rows) + (("\n\n" + repeats_summary(rows)) if a.repeats > 1 else "")
+
+
+def repeats_summary(rows: list[dict]) -> str:
+    """Per run (ours, "base ours", transformers), the median over launches of each launch's median step."""
+    steps = {}
+    for r in rows:
+        if r.get("status") == "ok" and "median_step_s" in r:
+            steps.setdefault(r["run"], []).append(r["median_step_s"])
+    lines = ["| run | launches | median of medians s/step | each launch's median |", "|---|---|---|---|"]
+    for run, values in steps.items():
+        lines.append(f"| {run} | {len(values)} | {statistics.median(values):.3f} | {', '.join(f'{v:.3f}' for v in values)} |")
+    return "\n".join(lines)
 
 
 @variant(option("--shape", default="qwen3_30b_a3b"), option("--layers", type=int, default=12),

@@ -56,3 +56,21 @@ def test_a_launch_that_no_longer_fits_the_budget_is_skipped(tmp_path):
     s.run("late", [sys.executable, "-c", "raise SystemExit('should not run')"], 120)
     (late,) = records(tmp_path)
     assert late["status"] == "skipped" and "of the 30 s budget" in late["error"]
+
+
+def test_real_data_repeats_alternate_the_two_sides_and_run_transformers_once(capsys, tmp_path):
+    """--repeats 2 with --base: ours, base, ours, base; transformers' runs only in the first launch of each side."""
+    run.main(["real_data", "--runs", "ours_synthetic,hf_synthetic", "--base", "/elsewhere", "--repeats", "2", "--dry_run",
+              "--gpus", "1", "--out", str(tmp_path / "out.jsonl")])
+    launches = [line for line in capsys.readouterr().out.splitlines() if "real_data.py" in line]
+    names = [line.split(":")[0] for line in launches]
+    assert names == ["qwen3_30b_a3b_L12_r1", "base_qwen3_30b_a3b_L12_r1", "qwen3_30b_a3b_L12_r2", "base_qwen3_30b_a3b_L12_r2"], names
+    assert ["hf_synthetic" in line for line in launches] == [True, True, False, False], launches
+
+
+def test_repeats_summary_takes_the_median_of_each_runs_medians():
+    rows = [{"run": "ours_synthetic", "status": "ok", "median_step_s": v} for v in (0.61, 0.58, 0.66)]
+    rows += [{"run": "base ours_synthetic", "status": "ok", "median_step_s": 0.60}, {"run": "ours_synthetic", "status": "timeout"}]
+    lines = run.repeats_summary(rows).splitlines()
+    assert lines[2] == "| ours_synthetic | 3 | 0.610 | 0.610, 0.580, 0.660 |", lines
+    assert lines[3] == "| base ours_synthetic | 1 | 0.600 | 0.600 |", lines
