@@ -85,7 +85,7 @@ def _function_checks(torch) -> dict:
             gs = [torch.randn(96, 32) for _ in range(3)]
             ours = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]) if dtensor else weight.clone())
             theirs = torch.nn.Parameter(weight.clone())
-            into = WeightGradInto(ours, divisor)
+            into = WeightGradInto(ours, divisor, False)
             grads_x = []
             for x, g in zip(xs, gs):
                 x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -27,10 +27,20 @@ class _CastDivided(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.divisor == 1:
-            return grad.to(ctx.weight_dtype), None, None, None
-        divide = fused(_divide_cast) if ctx.fuse else _divide_cast
-        return divide(grad, ctx.divisor, ctx.weight_dtype), None, None, None
+        return cast_grad(grad, ctx.divisor, ctx.weight_dtype, ctx.fuse), None, None, None
+
+
+def cast_grad(grad: torch.Tensor, divisor: float, dtype: torch.dtype, fuse: bool) -> torch.Tensor:
+    """The cast's backward: ``grad`` in the weight's ``dtype``, divided by ``divisor`` in fp32 first (also used where
+    the experts' GEMM writes their gradient itself, ``weight_grad.py``). ``fuse``: ``divide_fuses``."""
+    if divisor == 1:
+        return grad.to(dtype)
+    return (fused(_divide_cast) if fuse else _divide_cast)(grad, divisor, dtype)
+
+
+def divide_fuses(grad_divisor: int, compile_elementwise: bool, is_cuda: bool) -> bool:
+    """Whether ``cast_grad`` runs as one compiled kernel: CUDA, ``compile_elementwise``, a power-of-two divisor."""
+    return compile_elementwise and is_cuda and grad_divisor & (grad_divisor - 1) == 0
 
 
 def cast_weights(weights: list[torch.Tensor], dtype: torch.dtype, grad_divisor: int, compile_elementwise: bool) -> tuple[torch.Tensor, ...]:
@@ -38,5 +48,5 @@ def cast_weights(weights: list[torch.Tensor], dtype: torch.dtype, grad_divisor: 
     as they are when there is nothing to do. ``compile_elementwise``: the backward as one compiled kernel on CUDA."""
     if weights[0].dtype == dtype and grad_divisor == 1:
         return tuple(weights)
-    fuse = compile_elementwise and weights[0].is_cuda and grad_divisor & (grad_divisor - 1) == 0
+    fuse = divide_fuses(grad_divisor, compile_elementwise, weights[0].is_cuda)
     return tuple(_CastDivided.apply(w, dtype, float(grad_divisor), fuse) for w in weights)

@@ -106,10 +106,10 @@ class LocalExperts:
         added after each projection. ``grads_into`` (only where ``uses_grouped_gemms``): gate_up's and down's gradients
         added by the GEMMs' backward into their parameters (``weight_grad.py``), whose weights then come without
         autograd edge."""
-        if grads_into is not None and not self.uses_grouped_gemms(x, counts):
-            raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms)")
         if grouped_mm_supported(x) and not self.force_loop:
             return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into)
+        if grads_into is not None:
+            raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms)")
         return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
 
     def uses_grouped_gemms(self, x: torch.Tensor, counts: torch.Tensor) -> bool:
@@ -143,6 +143,8 @@ class LocalExperts:
                 one_hot = expert_one_hot(counts, x.shape[0], x.dtype)
                 add_bias = lambda rows, bias: add_expert_bias(rows, one_hot, bias)  # noqa: E731
         gemm_gate_up = gemm_down = gemm
+        if grads_into is not None and len(counts) == 1:
+            raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms): one local expert takes plain GEMMs")
         if grads_into is not None:  # the weights as stored ([E, 2I, H] unless transposed), their gradients into place
             gemm_gate_up = lambda a, w: grouped_mm_grad_into(a, weights[0], offs, grads_into[0], not self.transposed)  # noqa: E731
             gemm_down = lambda a, w: grouped_mm_grad_into(a, weights[1], offs, grads_into[1], not self.transposed)  # noqa: E731

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from megablocks_utils.moe.cast import cast_weights
+from megablocks_utils.moe.cast import cast_weights, divide_fuses
 from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
 from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.router import TopKRouter
@@ -131,22 +131,23 @@ class ExpertParallelExperts(nn.Module):
         return (self.weight_grads_in_gemm and torch.is_grad_enabled() and not isinstance(self, FSDPModule)
                 and self.gate_up_proj.requires_grad and self.down_proj.requires_grad and self.local.uses_grouped_gemms(x, counts))
 
-    @torch.compiler.disable  # as _local_weights
-    def _weights_grads_into(self, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[WeightGradInto, ...]]:
-        """The weights for ``owns_weight_grads``: gate_up's and down's local blocks in ``dtype`` without autograd edge,
-        the biases as ``_local_weights`` gives them, and where gate_up's and down's gradients go."""
+    def _weights_grads_into(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[WeightGradInto, ...]]:
+        """The weights for ``owns_weight_grads``: gate_up's and down's local blocks in ``x``'s dtype without autograd
+        edge, the biases as ``_local_weights`` gives them, and where gate_up's and down's gradients go."""
+        projections = (self.gate_up_proj, self.down_proj)
         with torch.no_grad():
-            projections = [(w.to_local() if isinstance(w, DTensor) else w).to(dtype) for w in (self.gate_up_proj, self.down_proj)]
-        biases = self._local_weights(dtype, self.expert_tensors()[2:]) if self.has_bias else ()
-        into = tuple(WeightGradInto(w, self.grad_divisor) for w in (self.gate_up_proj, self.down_proj))
-        return (*projections, *biases), into
+            weights = self._local_weights(x.dtype, projections)
+        if self.has_bias:
+            weights += self._local_weights(x.dtype, self.expert_tensors()[2:])
+        fuse = divide_fuses(self.grad_divisor, self.compile_elementwise, x.is_cuda)
+        return weights, tuple(WeightGradInto(w, self.grad_divisor, fuse) for w in projections)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert (``LocalExperts``; ``counts_host``,
         ``counts`` as a list, spares the per-expert loop a host sync)."""
         adapters = self._local_weights(x.dtype, self.lora.tensors()) if self.lora is not None else ()
         if self.owns_weight_grads(x, counts):
-            weights, grads_into = self._weights_grads_into(x.dtype)
+            weights, grads_into = self._weights_grads_into(x)
         else:
             weights, grads_into = self._local_weights(x.dtype), None
         return self.local(x, counts, weights, counts_host, fuse=self.fuse_elementwise(x), lora=self.lora, adapters=adapters,

@@ -12,14 +12,11 @@ Used only where the layer owns its experts' gradients: CUDA grouped GEMMs, param
 without an autograd edge, so autograd never sees it: hooks registered on these parameters' gradient do not run.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from megablocks_utils.moe.cast import _divide_cast
-from megablocks_utils.moe.fused import fused
+from megablocks_utils.moe.cast import cast_grad
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -32,22 +29,19 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 class WeightGradInto:
     """Where one expert weight's gradient goes: ``param.grad`` (a DTensor's local block, or the tensor), made on the
     first backward after it was cleared and added to on every later one, in ``param``'s dtype and divided by
-    ``divisor`` (the cast's backward: ``cast.py``)."""
+    ``divisor`` (the cast's backward: ``cast.cast_grad``, compiled with ``fuse``)."""
 
-    def __init__(self, param: torch.Tensor, divisor: float):
+    def __init__(self, param: torch.Tensor, divisor: float, fuse: bool):
         self.param = param
         self.divisor = float(divisor)
+        self.fuse = fuse
 
     def add(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
         """``param.grad[e] += a_e^T @ b_e`` over the row groups of ``offs`` (a [T, M], b [T, N], the local weight
         [E, M, N])."""
         grad = self.param.grad
         if grad is None:
-            fresh = grouped_mm(a.t(), b, offs)  # [E, M, N], the parameter's layout
-            if fresh.dtype != self.param.dtype or self.divisor != 1:
-                # Compiled (CUDA) only for a power of two: there x / d may become x * (1 / d) without changing a bit.
-                compile_it = fresh.is_cuda and self.divisor == 2 ** round(math.log2(self.divisor))
-                fresh = (fused(_divide_cast) if compile_it else _divide_cast)(fresh, self.divisor, self.param.dtype)
+            fresh = cast_grad(grouped_mm(a.t(), b, offs), self.divisor, self.param.dtype, self.fuse)  # [E, M, N]: its layout
             if isinstance(self.param, DTensor):
                 fresh = DTensor.from_local(fresh, self.param.device_mesh, self.param.placements,
                                            shape=self.param.shape, stride=self.param.stride(), run_check=False)

@@ -1,4 +1,4 @@
-"""The experts' weight gradient as one Triton kernel that adds into the gradient already there (``grad_into.py``
+"""The experts' weight gradient as one Triton kernel that adds into the gradient already there (``weight_grad.py``
 uses it): ``out[e] (+)= a_e^T @ b_e`` for every local expert e, the rows of a and b grouped by expert (``offs``).
 
 Why a kernel of our own: with gradient accumulation every micro-step but the first adds a fresh expert gradient into
