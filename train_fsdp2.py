@@ -58,6 +58,7 @@ activation_checkpointing = "none"  # "none", "full" (recompute each decoder laye
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
+cuda_graphs = "auto"  # each micro-step replayed from a CUDA graph after 2 warm-up steps: "auto" (one GPU, where the step allows it), "true", "false"
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
@@ -160,6 +161,12 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     resolve_resume,
     save_checkpoint,
 )
+from megablocks_utils.train.cuda_graph import (  # noqa: E402
+    DOCUMENT_MULTIPLE,
+    MicroStepGraphs,
+    graph_blocker,
+    resolve_cuda_graphs,
+)
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402
 from megablocks_utils.train.metrics import active_params  # noqa: E402
@@ -249,6 +256,13 @@ with stop_together():
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
+try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cuda_graph.py)
+    use_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, graph_blocker(
+        device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
+        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
+        lora_dropout=lora_dropout if lora else 0.0))
+except InputError as e:
+    fail(e)
 stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a requeued --resume auto after the end: exit 0
 space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
 if master and space:
@@ -276,7 +290,7 @@ if master:
         f"over dp, dp_replicate {dp_replicate}); optim {optim}; "
         + (f"LoRA r {lora.r} on {', '.join(lora.targets)} ({plan.adapters / 1e6:.2f} M adapter params, the rest frozen); " if lora else "")
         + f"attention {attention_choice}; {data.describe(batches.per_step)}; "
-        f"{total_steps} steps", flush=True,
+        f"{total_steps} steps; {graphs_note}", flush=True,
     )
 
 # ----------------------------------------------------------------------------- parallelize
@@ -346,6 +360,9 @@ log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size
                  peak_flops=(peak_tflops or (989.0 if use_cuda else 0.0)) * 1e12, device=device, earlier=kept or [])
 world_group = mesh.world.get_group()
 
+# After the warm-up steps each micro-step (forward, loss, backward) is replayed from a CUDA graph; gradients then stay
+# allocated and are zeroed in place, as the graph adds into them.
+graphs = MicroStepGraphs(model, device) if use_graphs else None
 run_start = time.perf_counter()
 clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
 for step in range(start_step, total_steps):
@@ -358,9 +375,13 @@ for step in range(start_step, total_steps):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
-        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention)
-        loss, _ = step_loss.micro_batch(model, batch)
-        loss.backward()
+        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
+                        document_multiple=DOCUMENT_MULTIPLE if graphs else 1)
+        if graphs is not None:
+            graphs.micro_step(step_loss, batch, steps_done=step - start_step)
+        else:
+            loss, _ = step_loss.micro_batch(model, batch)
+            loss.backward()
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
     grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)
@@ -381,7 +402,7 @@ for step in range(start_step, total_steps):
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=graphs is None)
     # No sync here: the host reads and launches the next step while the GPU runs this one's optimizer. Before an eval, a
     # checkpoint or the end, the GPU drains and this step's time takes its optimizer (they are not training time).
     evaluating = eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps)

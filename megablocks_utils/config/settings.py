@@ -98,6 +98,7 @@ RULES = {
     "ep_size": NON_NEGATIVE,
     "dp_replicate": POSITIVE,
     "shard_experts": Choice(("auto", "true", "false"), bare="true"),
+    "cuda_graphs": Choice(("auto", "true", "false"), bare="true"),
     "moe_backend": Choice(("native", "megablocks")),
     "dtype": Choice(("auto", "bf16", "fp32")),
     "activation_checkpointing": Choice((*ACTIVATION_CHECKPOINTING, "true", "false"), bare="full"),

@@ -110,7 +110,8 @@ def _copier(device):
     return lambda t: t.pin_memory().to(device, non_blocking=True)
 
 
-def collate(samples: list[dict], pad_token_id: int, device, length: int | None = None, attention: str = "sdpa") -> dict:
+def collate(samples: list[dict], pad_token_id: int, device, length: int | None = None, attention: str = "sdpa",
+            document_multiple: int = 1) -> dict:
     """One micro-batch as tensors, every row ``length`` tokens (the scripts pass max_length; None: the longest sample).
 
     A fixed row length is what keeps compiled modules from recompiling on data: the last rows of a packed
@@ -121,7 +122,8 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
     ``model_inputs``: the keyword arguments of the model's forward. Packed rows carry per-document
     ``position_ids`` and no attention mask, so transformers keeps documents apart (a block mask for flex, a dense
     mask for sdpa/eager); for ``attention="varlen"`` they also carry the documents' cumulative lengths
-    (``attention.varlen_inputs``), computed here, on the host, once per micro-batch.
+    (``attention.varlen_inputs``), computed here, on the host, once per micro-batch, padded with empty documents to a
+    multiple of ``document_multiple`` (CUDA graphs: one per document count, train/cuda_graph.py).
     ``real`` marks real tokens (for the router statistics and token counts). ``attention_sq``: the sum of squared
     attention spans (each document's length, packed; the padded length, unpacked), so that MFU counts the
     attention that was useful, not the row's length.
@@ -159,7 +161,7 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
         "use_cache": False,  # with a cache, transformers would not keep packed documents apart
     }
     if attention == "varlen":
-        boundaries = varlen_inputs(positions)
+        boundaries = varlen_inputs(positions, document_multiple)
         cu = to_device(boundaries["cu_seq_lens_q"])
         # The number of documents changes from batch to batch: a dynamic size from the first compile on, not a
         # recompile for each new count (torch._dynamo.maybe_mark_dynamic is torch.compile's documented switch).

@@ -42,14 +42,16 @@ def router_stats(model: nn.Module, attention_mask: torch.Tensor | None, group: d
         counts.append(torch.zeros(num_experts, dtype=torch.float64, device=mask.device).scatter_add_(0, choices.reshape(-1), weight))
         prob_sum = prob_sum + (probs * mask.unsqueeze(-1)).sum(0)
     counts = torch.stack(counts)
+    # One rank has nothing to sum with (and a collective would be one more launch, also inside a CUDA graph).
+    reduce = group is not None and dist.get_world_size(group) > 1
     totals = torch.cat([counts.reshape(-1), mask.sum().to(torch.float64).reshape(1) * len(blocks)])
-    if group is not None:
+    if reduce:
         dist.all_reduce(totals, group=group)
     counts, rows = totals[:-1].view_as(counts), totals[-1]
     rows = rows.clamp(min=1.0)
     fraction = (counts.sum(0) / rows).to(torch.float32)
     local = num_experts * (fraction * prob_sum / rows.to(torch.float32)).sum()
     value = local.detach().clone()
-    if group is not None:
+    if reduce:
         dist.all_reduce(value, group=group)
     return RouterStats(local=local, value=value, tokens_per_expert=counts)

@@ -47,14 +47,29 @@ class StepLoss:
 
     def micro_batch(self, model, batch: dict):
         """Forward one micro-batch (a ``collate`` dict); returns this rank's loss to backpropagate and the model's output."""
+        loss, numbers, out = self.loss_and_numbers(model, batch)
+        self.add(numbers, batch)
+        return loss, out
+
+    def loss_and_numbers(self, model, batch: dict, loss_scale: torch.Tensor | None = None):
+        """The micro-batch's loss, its numbers for the step's sums (device tensors: ``add``) and the model's output.
+
+        ``loss_scale``: 1 / ``step_label_tokens`` as an fp32 device tensor, for a CUDA graph (``cuda_graph.py``), which
+        cannot take the step's count as a Python number; the same bits (a division by a Python number is a
+        multiplication by its fp32 reciprocal in torch's CUDA kernel)."""
         # The summed cross-entropy, inside the forward where the model has a LossHead (then out.logits holds it: train/loss.py)
         ce_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
         stats = router_stats(model, batch["real"], self.group)
-        loss = self.world_size * (ce_sum / self.denominator + self.aux_coef * stats.local / self.micro_steps)
-        self.sums.add(ce_sum=ce_sum, aux=stats.value.double() / (self.micro_steps * self.world_size), tokens=batch["real"].sum(),
-                      token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"],
-                      nonfinite=~torch.isfinite(loss.detach()), tokens_per_expert=stats.tokens_per_expert)
-        return loss, out
+        ce = ce_sum / self.denominator if loss_scale is None else ce_sum * loss_scale
+        loss = self.world_size * (ce + self.aux_coef * stats.local / self.micro_steps)
+        numbers = {"ce_sum": ce_sum.detach(), "aux": stats.value.double() / (self.micro_steps * self.world_size),
+                   "tokens": batch["real"].sum(), "nonfinite": ~torch.isfinite(loss.detach()),
+                   "tokens_per_expert": stats.tokens_per_expert}
+        return loss, numbers, out
+
+    def add(self, numbers: dict, batch: dict) -> None:
+        """Add a micro-batch's ``numbers`` (``loss_and_numbers``) and its host-side counts to the step's sums."""
+        self.sums.add(**numbers, token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"])
 
     def check(self, nonfinite_steps: NonFiniteSteps, grad_norm, stop_signal: StopSignal | None = None) -> bool:
         """Collective, after the gradient norm and before the optimizer step: the sums over all ranks, then

@@ -1,0 +1,179 @@
+"""Each micro-step (forward, loss and backward) replayed from a CUDA graph: on one GPU, no Python between kernels.
+
+Why: at DeepSeek-V2-Lite's shape (20 layers, 64 small experts, one H200) a micro-step launches thousands of kernels
+from Python, and the host took about as long to launch them as the GPU to run them (``bench/profile_steps.py
+--phases``: ~60 ms of host time per forward and again per backward): the step was paced by the host. Replayed, a
+micro-step costs the host a few copies and one launch.
+
+What makes a micro-step capturable, and where that is ensured:
+- one process: no collective, no FSDP hook; the native MoE layer at ep 1 and the attention kernels ``graph_blocker``
+  allows make no host sync in a step (tests/gpu/test_step_no_sync.py);
+- fixed shapes: every row is max_length tokens and every micro-batch has as many rows (``data.collate``,
+  ``GlobalBatches``); varlen's document boundaries come padded with empty documents to a multiple of
+  ``DOCUMENT_MULTIPLE``. A graph is captured for each shape signature, all in one memory pool (their work never
+  overlaps; only their small outputs stay reserved);
+- gradients that exist before the capture and stay in place: the script zeroes them after the optimizer step instead
+  of freeing them, and the captured backward adds into them (autograd adds into an existing gradient in place; the
+  experts' GEMM adds into ``.grad`` itself, ``moe/weight_grad.py``);
+- nothing read on the host from the step's tensors: the loss's 1 / label tokens is a device scalar set before each
+  replay (``StepLoss.loss_and_numbers``), and the micro-step's numbers for the step's sums come back as device tensors.
+
+The first ``warmup_steps`` steps run eagerly (torch.compile compiles there). After them, the first micro-batch of a
+new signature runs eagerly on the side stream the graph is then captured on (warming that stream's libraries and
+compiled code), and later ones copy their tensors into the graph's inputs and replay it.
+"""
+
+import numpy as np
+import torch
+from torch import nn
+
+from megablocks_utils.config.inputs import InputError, parse_bool
+
+# varlen's document count, padded up to a multiple of this: a graph per multiple (train/cuda_graph.py).
+DOCUMENT_MULTIPLE = 64
+# The attention kernels whose forward needs no host sync and no mask object (model/attention.py): with "sdpa" and
+# "eager" transformers builds or checks a mask from the rows on the host, and flex_attention's block mask is not yet
+# tried under a graph.
+CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
+
+
+def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str, activation_checkpointing: str,
+                  checkpoint_experts: bool, lora_dropout: float) -> str | None:
+    """Why this run's micro-steps cannot be CUDA graphs, or None when they can."""
+    if device_type != "cuda":
+        return "CUDA graphs need a GPU"
+    if world_size != 1:
+        return (f"{world_size} ranks: FSDP's hooks and the expert all-to-all (sized on the host) run between the kernels; "
+                "CUDA graphs are for one GPU")
+    if moe_backend != "native":
+        return f"moe_backend {moe_backend!r} reads routed counts on the host"
+    if attention not in CAPTURABLE_ATTENTION:
+        return (f"attention {attention!r} builds or checks its mask on the host; graphs take "
+                f"{' or '.join(CAPTURABLE_ATTENTION)} (attn_implementation auto picks them for rows of whole documents or on bf16 GPUs)")
+    if activation_checkpointing != "none" or checkpoint_experts:
+        return "activation checkpointing under a graph is not yet verified"
+    if lora_dropout > 0:
+        return "lora_dropout draws random numbers, not yet verified under a graph"
+    return None
+
+
+def resolve_cuda_graphs(setting, blocker: str | None) -> tuple[bool, str]:
+    """(on, the line the script prints) for the ``cuda_graphs`` setting ("auto", "true", "false" or a bool); "true"
+    where a graph cannot run raises InputError saying why."""
+    flag = parse_bool(setting)
+    if flag is None and str(setting).lower() != "auto":
+        raise InputError(f"cuda_graphs={setting!r} is unknown; choose auto, true or false")
+    if flag is False:
+        return False, "cuda_graphs false: every micro-step launched from Python"
+    if blocker is None:
+        return True, f"cuda_graphs {setting}: each micro-step replayed from a CUDA graph after the warm-up steps"
+    if flag:
+        raise InputError(f"cuda_graphs true: {blocker}; run with --cuda_graphs auto or false")
+    return False, f"cuda_graphs auto: off ({blocker})"
+
+
+def signature(batch: dict) -> tuple:
+    """What a graph is captured for: every tensor's name, shape and dtype, and the model's other inputs."""
+    parts = []
+    for where, values in (("batch", batch), ("model", batch["model_inputs"])):
+        for name, value in sorted(values.items()):
+            if isinstance(value, torch.Tensor):
+                parts.append((where, name, tuple(value.shape), value.dtype))
+            elif where == "model":  # the batch's own numbers (attention_sq) are read outside the graph
+                parts.append((where, name, value))
+    return tuple(parts)
+
+
+class _Captured:
+    """One captured micro-step: its input tensors (the graph reads them), its numbers (it writes them)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, numbers: dict):
+        self.graph, self.inputs, self.numbers = graph, inputs, numbers
+
+    def replay(self, batch: dict) -> dict:
+        for name, value in _tensors(batch).items():
+            self.inputs[name].copy_(value)
+        self.graph.replay()
+        return self.numbers
+
+
+def _tensors(batch: dict) -> dict:
+    """The batch's tensors by name (a tensor in both the batch and its model inputs once)."""
+    out = {f"batch.{k}": v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    out.update({f"model.{k}": v for k, v in batch["model_inputs"].items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _static_batch(batch: dict) -> tuple[dict, dict]:
+    """A copy of ``batch`` whose tensors the graph keeps (the same tensor shared where the batch shares one), and those
+    tensors by name."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def static(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = value.clone()
+        return copies[id(value)]
+
+    out = {k: static(v) for k, v in batch.items() if k != "model_inputs"}
+    out["model_inputs"] = {k: static(v) for k, v in batch["model_inputs"].items()}
+    return out, _tensors(out)
+
+
+class MicroStepGraphs:
+    """Runs ``StepLoss`` micro-steps (forward, loss, backward) for ``model``: eagerly for ``warmup_steps`` steps, then
+    from a CUDA graph per batch signature. The caller zeroes gradients in place between steps (never to None)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, warmup_steps: int = 2):
+        self.model, self.warmup_steps = model, warmup_steps
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _Captured] = {}
+        self.loss_scale = torch.zeros((), dtype=torch.float32, device=device)  # 1 / the step's label tokens
+        self.constants = None  # the StepLoss numbers baked into the graphs (micro-steps, aux coef, world size)
+
+    def micro_step(self, step_loss, batch: dict, steps_done: int) -> None:
+        """One micro-batch's forward, loss and backward; its numbers added to ``step_loss``'s sums."""
+        if steps_done < self.warmup_steps:
+            loss, _ = step_loss.micro_batch(self.model, batch)
+            loss.backward()
+            return
+        constants = (step_loss.micro_steps, step_loss.aux_coef, step_loss.world_size)
+        if self.constants not in (None, constants):
+            raise RuntimeError(f"the CUDA graphs were captured for (micro-steps, aux coef, world size) {self.constants}, "
+                               f"this step has {constants}; run with --cuda_graphs false")
+        self.constants = constants
+        # fp32's own reciprocal, as torch's CUDA division by a Python number computes it (StepLoss.loss_and_numbers)
+        self.loss_scale.fill_(float(np.float32(1.0) / np.float32(step_loss.label_tokens)))
+        key = signature(batch)
+        captured = self.graphs.get(key)
+        if captured is None:
+            numbers = self._capture(step_loss, batch, key)
+        else:
+            numbers = captured.replay(batch)
+        step_loss.add(numbers, batch)
+
+    def _capture(self, step_loss, batch: dict, key: tuple) -> dict:
+        """This micro-step run eagerly on the side stream, then captured there (capturing runs nothing); its numbers."""
+        inputs, by_name = _static_batch(batch)
+
+        def forward_backward() -> dict:
+            loss, numbers, _ = step_loss.loss_and_numbers(self.model, inputs, self.loss_scale)
+            loss.backward()
+            return numbers
+
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            numbers = forward_backward()
+            numbers = {k: v.clone() for k, v in numbers.items()}
+        # A gradient made inside the capture would be the graph's own, rewritten (not added to) at every replay.
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # synchronizes and empties the cache first
+            captured_numbers = forward_backward()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.graphs[key] = _Captured(graph, by_name, captured_numbers)
+        return numbers

@@ -1,0 +1,63 @@
+"""What decides and feeds the CUDA graphs of train/cuda_graph.py, on CPU (the graphs themselves: tests/gpu/test_cuda_graphs.py)."""
+
+import pytest
+import torch
+
+from megablocks_utils.config.inputs import InputError
+from megablocks_utils.model.attention import varlen_inputs
+from megablocks_utils.train.cuda_graph import _static_batch, graph_blocker, resolve_cuda_graphs, signature
+
+ONE_GPU = dict(device_type="cuda", world_size=1, moe_backend="native", attention="varlen", activation_checkpointing="none",
+               checkpoint_experts=False, lora_dropout=0.0)
+
+
+def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
+    assert graph_blocker(**ONE_GPU) is None
+    assert graph_blocker(**{**ONE_GPU, "attention": "sdpa_causal"}) is None
+    blocked = {
+        "device_type": ("cpu", "need a GPU"),
+        "world_size": (2, "2 ranks"),
+        "moe_backend": ("megablocks", "megablocks"),
+        "attention": ("flex_attention", "flex_attention"),
+        "activation_checkpointing": ("full", "checkpointing"),
+        "checkpoint_experts": (True, "checkpointing"),
+        "lora_dropout": (0.1, "lora_dropout"),
+    }
+    for name, (value, words) in blocked.items():
+        assert words in graph_blocker(**{**ONE_GPU, name: value}), name
+
+
+def test_the_setting_says_what_it_does_and_refuses_an_impossible_true():
+    assert resolve_cuda_graphs("auto", None)[0] is True
+    on, note = resolve_cuda_graphs("auto", "2 ranks: ...")
+    assert not on and "off (2 ranks" in note
+    assert resolve_cuda_graphs("false", None)[0] is False
+    assert resolve_cuda_graphs(True, None)[0] is True
+    with pytest.raises(InputError, match="cuda_graphs true: 2 ranks.*--cuda_graphs auto or false"):
+        resolve_cuda_graphs("true", "2 ranks")
+    with pytest.raises(InputError, match="choose auto, true or false"):
+        resolve_cuda_graphs("sometimes", None)
+
+
+def test_varlen_boundaries_are_padded_with_empty_documents():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]])
+    assert varlen_inputs(positions)["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 14, 16]
+    padded = varlen_inputs(positions, 4)["cu_seq_lens_q"]
+    assert padded.tolist() == [0, 3, 5, 8, 14, 16, 16, 16, 16]
+    assert padded.dtype == torch.int32
+    assert len(varlen_inputs(positions, 5)["cu_seq_lens_q"]) == 6  # 5 documents: already a multiple
+
+
+def test_a_graph_keeps_one_copy_of_a_shared_tensor_and_its_signature_ignores_the_batch_numbers():
+    ids = torch.arange(8).view(1, 8)
+    batch = {"input_ids": ids, "labels": ids + 1, "attention_sq": 64.0,
+             "model_inputs": {"input_ids": ids, "position_ids": torch.arange(8).view(1, 8), "use_cache": False}}
+    static, by_name = _static_batch(batch)
+    assert static["input_ids"] is static["model_inputs"]["input_ids"] and static["input_ids"] is not ids
+    assert torch.equal(static["labels"], batch["labels"])
+    assert set(by_name) == {"batch.input_ids", "batch.labels", "model.input_ids", "model.position_ids"}
+    other = {**batch, "attention_sq": 32.0}
+    assert signature(other) == signature(batch)
+    longer = {**batch, "labels": torch.zeros(1, 9, dtype=torch.long)}
+    assert signature(longer) != signature(batch)
+    assert signature({**batch, "model_inputs": {**batch["model_inputs"], "max_length_q": 8}}) != signature(batch)
