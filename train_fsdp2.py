@@ -166,6 +166,7 @@ from megablocks_utils.train.cuda_graph import (  # noqa: E402
     MicroStepGraphs,
     graph_blocker,
     resolve_cuda_graphs,
+    zero_grads,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402
@@ -402,7 +403,10 @@ for step in range(start_step, total_steps):
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
-    optimizer.zero_grad(set_to_none=graphs is None)
+    if graphs is None:
+        optimizer.zero_grad(set_to_none=True)
+    else:  # the graphs add into gradients that stay where they are
+        zero_grads(model.parameters())
     # No sync here: the host reads and launches the next step while the GPU runs this one's optimizer. Before an eval, a
     # checkpoint or the end, the GPU drains and this step's time takes its optimizer (they are not training time).
     evaluating = eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps)

@@ -61,3 +61,34 @@ def test_a_graph_keeps_one_copy_of_a_shared_tensor_and_its_signature_ignores_the
     longer = {**batch, "labels": torch.zeros(1, 9, dtype=torch.long)}
     assert signature(longer) != signature(batch)
     assert signature({**batch, "model_inputs": {**batch["model_inputs"], "max_length_q": 8}}) != signature(batch)
+
+
+def test_gradients_are_zeroed_in_place_dtensor_and_plain_alike():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megablocks_utils.train.cuda_graph import zero_grads
+
+    from conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        _zero_mixed_gradients(init_device_mesh("cpu", (1,)), DTensor, Shard, zero_grads)
+    finally:  # gone after the test: a forked script run must not inherit it
+        dist.destroy_process_group()
+
+
+def _zero_mixed_gradients(mesh, DTensor, Shard, zero_grads) -> None:
+    plain = torch.nn.Parameter(torch.randn(3, 4))
+    sharded = torch.nn.Parameter(DTensor.from_local(torch.randn(2, 4), mesh, [Shard(0)]))
+    half = torch.nn.Parameter(torch.randn(5).bfloat16())
+    never = torch.nn.Parameter(torch.randn(2))
+    for p in (plain, sharded, half):
+        p.grad = torch.ones_like(p)
+    kept = [plain.grad, sharded.grad.to_local(), half.grad]
+    zero_grads([plain, sharded, half, never])
+    assert never.grad is None
+    for before, p in zip(kept, (plain, sharded, half)):
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        assert local.data_ptr() == before.data_ptr() and not local.any()

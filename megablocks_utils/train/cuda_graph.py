@@ -12,8 +12,8 @@ What makes a micro-step capturable, and where that is ensured:
   ``GlobalBatches``); varlen's document boundaries come padded with empty documents to a multiple of
   ``DOCUMENT_MULTIPLE``. A graph is captured for each shape signature, all in one memory pool (their work never
   overlaps; only their small outputs stay reserved);
-- gradients that exist before the capture and stay in place: the script zeroes them after the optimizer step instead
-  of freeing them, and the captured backward adds into them (autograd adds into an existing gradient in place; the
+- gradients that exist before the capture and stay in place: the script zeroes them after the optimizer step
+  (``zero_grads``) instead of freeing them, and the captured backward adds into them (autograd adds into an existing gradient in place; the
   experts' GEMM adds into ``.grad`` itself, ``moe/weight_grad.py``);
 - nothing read on the host from the step's tensors: the loss's 1 / label tokens is a device scalar set before each
   replay (``StepLoss.loss_and_numbers``), and the micro-step's numbers for the step's sums come back as device tensors.
@@ -23,9 +23,12 @@ new signature runs eagerly on the side stream the graph is then captured on (war
 compiled code), and later ones copy their tensors into the graph's inputs and replay it.
 """
 
+from collections import defaultdict
+
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megablocks_utils.config.inputs import InputError, parse_bool
 
@@ -82,6 +85,18 @@ def signature(batch: dict) -> tuple:
             elif where == "model":  # the batch's own numbers (attention_sq) are read outside the graph
                 parts.append((where, name, value))
     return tuple(parts)
+
+
+def zero_grads(params) -> None:
+    """Every existing gradient set to zero in place (the graphs add into them), a multi-tensor kernel per dtype.
+    torch's ``optimizer.zero_grad(set_to_none=False)`` refuses DTensor and plain gradients in one multi-tensor call."""
+    groups = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            groups[(grad.device, grad.dtype)].append(grad)
+    for grads in groups.values():
+        torch._foreach_zero_(grads)
 
 
 class _Captured:
