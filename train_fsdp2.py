@@ -261,7 +261,7 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
     use_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, graph_blocker(
         device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
-        lora_dropout=lora_dropout if lora else 0.0))
+        lora_dropout=lora_dropout if lora else 0.0, dtype=compute_dtype))
 except InputError as e:
     fail(e)
 stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a requeued --resume auto after the end: exit 0
@@ -363,7 +363,7 @@ world_group = mesh.world.get_group()
 
 # After the warm-up steps each micro-step (forward, loss, backward) is replayed from a CUDA graph; gradients then stay
 # allocated and are zeroed in place, as the graph adds into them.
-graphs = MicroStepGraphs(model, device) if use_graphs else None
+graphs = MicroStepGraphs(model, device, announce=progress.write if master else None) if use_graphs else None
 run_start = time.perf_counter()
 clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
 for step in range(start_step, total_steps):

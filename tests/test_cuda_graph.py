@@ -22,6 +22,7 @@ def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
         "activation_checkpointing": ("full", "checkpointing"),
         "checkpoint_experts": (True, "checkpointing"),
         "lora_dropout": (0.1, "lora_dropout"),
+        "dtype": (torch.float32, "per-expert loop"),
     }
     for name, (value, words) in blocked.items():
         assert words in graph_blocker(**{**ONE_GPU, name: value}), name
@@ -65,12 +66,11 @@ def test_a_graph_keeps_one_copy_of_a_shared_tensor_and_its_signature_ignores_the
 
 def test_gradients_are_zeroed_in_place_dtensor_and_plain_alike():
     import torch.distributed as dist
+    from conftest import free_port
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     from megablocks_utils.train.cuda_graph import zero_grads
-
-    from conftest import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

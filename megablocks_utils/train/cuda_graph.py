@@ -23,6 +23,7 @@ new signature runs eagerly on the side stream the graph is then captured on (war
 compiled code), and later ones copy their tensors into the graph's inputs and replay it.
 """
 
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -41,10 +42,13 @@ CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
 
 
 def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str, activation_checkpointing: str,
-                  checkpoint_experts: bool, lora_dropout: float) -> str | None:
-    """Why this run's micro-steps cannot be CUDA graphs, or None when they can."""
+                  checkpoint_experts: bool, lora_dropout: float, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why this run's micro-steps cannot be CUDA graphs, or None when they can (``dtype``: the compute dtype)."""
     if device_type != "cuda":
         return "CUDA graphs need a GPU"
+    if dtype != torch.bfloat16:
+        return (f"{str(dtype).removeprefix('torch.')} compute: the experts run their per-expert loop, which reads the routed "
+                "counts on the host (the grouped GEMMs take bf16)")
     if world_size != 1:
         return (f"{world_size} ranks: FSDP's hooks and the expert all-to-all (sized on the host) run between the kernels; "
                 "CUDA graphs are for one GPU")
@@ -140,8 +144,9 @@ class MicroStepGraphs:
     """Runs ``StepLoss`` micro-steps (forward, loss, backward) for ``model``: eagerly for ``warmup_steps`` steps, then
     from a CUDA graph per batch signature. The caller zeroes gradients in place between steps (never to None)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, warmup_steps: int = 2):
+    def __init__(self, model: nn.Module, device: torch.device, warmup_steps: int = 2, announce=None):
         self.model, self.warmup_steps = model, warmup_steps
+        self.announce = announce  # called with a line after each capture (the script's progress bar writes it)
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Captured] = {}
@@ -171,6 +176,7 @@ class MicroStepGraphs:
 
     def _capture(self, step_loss, batch: dict, key: tuple) -> dict:
         """This micro-step run eagerly on the side stream, then captured there (capturing runs nothing); its numbers."""
+        start = time.perf_counter()
         inputs, by_name = _static_batch(batch)
 
         def forward_backward() -> dict:
@@ -191,4 +197,7 @@ class MicroStepGraphs:
             captured_numbers = forward_backward()
         torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[key] = _Captured(graph, by_name, captured_numbers)
+        if self.announce is not None:
+            self.announce(f"cuda_graphs: captured the micro-step in {time.perf_counter() - start:.1f} s (graph {len(self.graphs)}: one "
+                          f"per input shape; {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved)")
         return numbers
