@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 # ----------------------------------------------------------------------------- settings
@@ -257,13 +258,6 @@ with stop_together():
     batches = GlobalBatches(dataset, per_device_train_batch_size, gradient_accumulation_steps, world_size, rank, seed,
                             unit="packed rows" if packing else "samples")
 total_steps = max_steps if max_steps > 0 else num_train_epochs * batches.steps_per_epoch
-try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cuda_graph.py)
-    use_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, graph_blocker(
-        device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
-        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
-        lora_dropout=lora_dropout if lora else 0.0, dtype=compute_dtype))
-except InputError as e:
-    fail(e)
 stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a requeued --resume auto after the end: exit 0
 space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
 if master and space:
@@ -291,7 +285,7 @@ if master:
         f"over dp, dp_replicate {dp_replicate}); optim {optim}; "
         + (f"LoRA r {lora.r} on {', '.join(lora.targets)} ({plan.adapters / 1e6:.2f} M adapter params, the rest frozen); " if lora else "")
         + f"attention {attention_choice}; {data.describe(batches.per_step)}; "
-        f"{total_steps} steps; {graphs_note}", flush=True,
+        f"{total_steps} steps", flush=True,
     )
 
 # ----------------------------------------------------------------------------- parallelize
@@ -305,6 +299,15 @@ if master and compiled:
 left_out = fsdp_left_out(model, mesh, compute_dtype)
 if master and left_out:
     print(left_out, flush=True)
+try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cuda_graph.py)
+    use_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, graph_blocker(
+        device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
+        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
+        lora_dropout=lora_dropout if lora else 0.0, dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules())))
+except InputError as e:
+    fail(e)
+if master:
+    print(graphs_note, flush=True)
 experts = set(expert_parameters(model))  # after FSDP: where it manages them, its sharded parameters
 model.train()
 

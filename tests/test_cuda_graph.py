@@ -23,6 +23,7 @@ def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
         "checkpoint_experts": (True, "checkpointing"),
         "lora_dropout": (0.1, "lora_dropout"),
         "dtype": (torch.float32, "per-expert loop"),
+        "fsdp": (True, "--optim adamw_bf16"),
     }
     for name, (value, words) in blocked.items():
         assert words in graph_blocker(**{**ONE_GPU, name: value}), name

@@ -42,8 +42,9 @@ CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
 
 
 def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str, activation_checkpointing: str,
-                  checkpoint_experts: bool, lora_dropout: float, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why this run's micro-steps cannot be CUDA graphs, or None when they can (``dtype``: the compute dtype)."""
+                  checkpoint_experts: bool, lora_dropout: float, dtype: torch.dtype = torch.bfloat16, fsdp: bool = False) -> str | None:
+    """Why this run's micro-steps cannot be CUDA graphs, or None when they can (``dtype``: the compute dtype; ``fsdp``:
+    whether FSDP wraps any part of the model, as it does on one GPU to cast weights kept in another dtype)."""
     if device_type != "cuda":
         return "CUDA graphs need a GPU"
     if dtype != torch.bfloat16:
@@ -52,6 +53,9 @@ def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attent
     if world_size != 1:
         return (f"{world_size} ranks: FSDP's hooks and the expert all-to-all (sized on the host) run between the kernels; "
                 "CUDA graphs are for one GPU")
+    if fsdp:
+        return ("FSDP casts the weights (kept in fp32 for the optimizer) in hooks that reallocate them at every forward; "
+                "--optim adamw_bf16 keeps bf16 weights, which one GPU trains without FSDP")
     if moe_backend != "native":
         return f"moe_backend {moe_backend!r} reads routed counts on the host"
     if attention not in CAPTURABLE_ATTENTION:
