@@ -167,7 +167,6 @@ from megablocks_utils.train.cuda_graph import (  # noqa: E402
     MicroStepGraphs,
     graph_blocker,
     resolve_cuda_graphs,
-    zero_grads,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402
@@ -382,7 +381,7 @@ for step in range(start_step, total_steps):
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
                         document_multiple=DOCUMENT_MULTIPLE if graphs else 1)
         if graphs is not None:
-            graphs.micro_step(step_loss, batch, steps_done=step - start_step)
+            graphs.micro_step(step_loss, batch, steps_done=step - start_step, first=i == 0)
         else:
             loss, _ = step_loss.micro_batch(model, batch)
             loss.backward()
@@ -409,7 +408,7 @@ for step in range(start_step, total_steps):
     if graphs is None:
         optimizer.zero_grad(set_to_none=True)
     else:  # the graphs add into gradients that stay where they are
-        zero_grads(model.parameters())
+        graphs.zero_grads()
     # No sync here: the host reads and launches the next step while the GPU runs this one's optimizer. Before an eval, a
     # checkpoint or the end, the GPU drains and this step's time takes its optimizer (they are not training time).
     evaluating = eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps)

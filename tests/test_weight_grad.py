@@ -68,7 +68,7 @@ def _function_checks(torch) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from megablocks_utils.moe.weight_grad import WeightGradInto, grouped_mm, grouped_mm_grad_into
+    from megablocks_utils.moe.weight_grad import WeightGradInto, gradients_written, grouped_mm, grouped_mm_grad_into
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
@@ -100,6 +100,15 @@ def _function_checks(torch) -> dict:
             found[key] = {"rel": float((grad - expected).abs().max() / expected.abs().max()), "grads_x_equal": all(grads_x),
                           "dtensor_grad": (isinstance(ours.grad, DTensor) and ours.grad.placements == ours.placements) if dtensor else None,
                           "empty_expert_zero": bool((grad[1] == 0).all())}
+            # A step's first micro-step under gradients_written: the existing (stale) gradient written over, not added to
+            written = set()
+            with gradients_written(written):
+                grouped_mm_grad_into(xs[0].clone().requires_grad_(), local, offs, into, transpose_weight).backward(gs[0])
+            theirs.grad = None
+            grouped_mm(xs[0], theirs.transpose(-2, -1) if transpose_weight else theirs, offs).backward(gs[0])
+            rewritten = ours.grad.to_local() if dtensor else ours.grad
+            found[f"written_{key}"] = {"rel": float((rewritten - theirs.grad / divisor).abs().max() / theirs.grad.abs().max()),
+                                       "registered": written == {id(ours)}, "in_place": rewritten.data_ptr() == grad.data_ptr()}
     dist.destroy_process_group()
     return found
 
@@ -174,12 +183,21 @@ def test_gradient_added_in_place_equals_autograds(found):
     """Three micro-steps through ``grouped_mm_grad_into``: the weight's gradient what autograd accumulates through torch's
     grouped GEMM (fp32, to 1e-6), in both layouts, on a tensor and on a DTensor (its gradient a DTensor of the weight's
     placements), and divided by 2; the rows' gradients bit for bit; an expert without rows gets zeros."""
-    function = found["function"]
+    function = {k: v for k, v in found["function"].items() if not k.startswith("written_")}
     assert len(function) == 6, function
     for key, got in function.items():
         assert got["rel"] <= 1e-6 and got["grads_x_equal"] and got["empty_expert_zero"], (key, got)
         if key.startswith("dtensor"):
             assert got["dtensor_grad"], (key, got)
+
+
+def test_a_first_micro_step_writes_the_gradient_over_where_asked(found):
+    """Under ``gradients_written`` (a graph's first micro-step of a step) a stale gradient is written over in place with
+    the micro-step's own (fp32, 1e-6), and the parameter is named as written (so the graphs do not zero it)."""
+    written = {k: v for k, v in found["function"].items() if k.startswith("written_")}
+    assert len(written) == 6, written
+    for key, got in written.items():
+        assert got["rel"] <= 1e-6 and got["registered"] and got["in_place"], (key, got)
 
 
 if __name__ == "__main__":

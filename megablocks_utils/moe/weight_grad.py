@@ -12,11 +12,30 @@ Used only where the layer owns its experts' gradients: CUDA grouped GEMMs, param
 without an autograd edge, so autograd never sees it: hooks registered on these parameters' gradient do not run.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from megablocks_utils.moe.cast import cast_grad
+
+# Set by ``gradients_written``: the ids of the parameters whose existing gradient a GEMM wrote (rather than added to).
+_written: set | None = None
+
+
+@contextmanager
+def gradients_written(written: set):
+    """Inside, every ``WeightGradInto`` writes its parameter's existing gradient instead of adding to it, and puts the
+    parameter's id in ``written``. For a step's first micro-step captured into a CUDA graph (train/cuda_graph.py):
+    gradients kept in place between steps need no zeroing where the first micro-step writes them whole (the experts'
+    are most of a model's: ~21 GB of memset a DeepSeek-V2-Lite step, and the first GEMM's read of those zeros)."""
+    global _written
+    outer, _written = _written, written
+    try:
+        yield written
+    finally:
+        _written = outer
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -28,8 +47,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 class WeightGradInto:
     """Where one expert weight's gradient goes: ``param.grad`` (a DTensor's local block, or the tensor), made on the
-    first backward after it was cleared and added to on every later one, in ``param``'s dtype and divided by
-    ``divisor`` (the cast's backward: ``cast.cast_grad``, compiled with ``fuse``)."""
+    first backward after it was cleared and added to on every later one (written over inside ``gradients_written``), in
+    ``param``'s dtype and divided by ``divisor`` (the cast's backward: ``cast.cast_grad``, compiled with ``fuse``)."""
 
     def __init__(self, param: torch.Tensor, divisor: float, fuse: bool):
         self.param = param
@@ -50,7 +69,9 @@ class WeightGradInto:
         from megablocks_utils.moe import weight_grad_kernel  # Triton: imported where a GPU runs it
 
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        weight_grad_kernel.grouped_weight_grad(a, b, offs, local, accumulate=True, divisor=self.divisor)
+        if _written is not None:
+            _written.add(id(self.param))
+        weight_grad_kernel.grouped_weight_grad(a, b, offs, local, accumulate=_written is None, divisor=self.divisor)
 
 
 class _GroupedMMGradInto(torch.autograd.Function):

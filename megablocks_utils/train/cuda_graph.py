@@ -12,19 +12,23 @@ What makes a micro-step capturable, and where that is ensured:
   ``GlobalBatches``); varlen's document boundaries come padded with empty documents to a multiple of
   ``DOCUMENT_MULTIPLE``. A graph is captured for each shape signature, all in one memory pool (their work never
   overlaps; only their small outputs stay reserved);
-- gradients that exist before the capture and stay in place: the script zeroes them after the optimizer step
-  (``zero_grads``) instead of freeing them, and the captured backward adds into them (autograd adds into an existing gradient in place; the
-  experts' GEMM adds into ``.grad`` itself, ``moe/weight_grad.py``);
+- gradients that exist before the capture and stay in place (``MicroStepGraphs.zero_grads`` after the optimizer step):
+  the captured backward adds into them (autograd adds into an existing gradient in place; the experts' GEMM adds into
+  ``.grad`` itself, ``moe/weight_grad.py``). A step's first micro-step has graphs of its own, in which the experts'
+  GEMM writes their gradients over instead (``weight_grad.gradients_written``): only the other gradients, a small
+  part of an MoE model's, are zeroed between steps;
 - nothing read on the host from the step's tensors: the loss's 1 / label tokens is a device scalar set before each
   replay (``StepLoss.loss_and_numbers``), and the micro-step's numbers for the step's sums come back as device tensors.
 
 The first ``warmup_steps`` steps run eagerly (torch.compile compiles there). After them, the first micro-batch of a
-new signature runs eagerly on the side stream the graph is then captured on (warming that stream's libraries and
-compiled code), and later ones copy their tensors into the graph's inputs and replay it.
+new signature (and place in the step: first or not) runs eagerly on the side stream the graph is then captured on
+(warming that stream's libraries and compiled code), and later ones copy their tensors into the graph's inputs and
+replay it.
 """
 
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -32,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megablocks_utils.config.inputs import InputError, parse_bool
+from megablocks_utils.moe.weight_grad import gradients_written
 
 # varlen's document count, padded up to a multiple of this: a graph per multiple (train/cuda_graph.py).
 DOCUMENT_MULTIPLE = 64
@@ -146,7 +151,8 @@ def _static_batch(batch: dict) -> tuple[dict, dict]:
 
 class MicroStepGraphs:
     """Runs ``StepLoss`` micro-steps (forward, loss, backward) for ``model``: eagerly for ``warmup_steps`` steps, then
-    from a CUDA graph per batch signature. The caller zeroes gradients in place between steps (never to None)."""
+    from a CUDA graph per batch signature and place in the step (first micro-step or not). After each optimizer step
+    the script calls ``zero_grads``."""
 
     def __init__(self, model: nn.Module, device: torch.device, warmup_steps: int = 2, announce=None):
         self.model, self.warmup_steps = model, warmup_steps
@@ -156,9 +162,11 @@ class MicroStepGraphs:
         self.graphs: dict[tuple, _Captured] = {}
         self.loss_scale = torch.zeros((), dtype=torch.float32, device=device)  # 1 / the step's label tokens
         self.constants = None  # the StepLoss numbers baked into the graphs (micro-steps, aux coef, world size)
+        self.written: set[int] = set()  # ids of the parameters whose gradient a first micro-step's graph writes whole
 
-    def micro_step(self, step_loss, batch: dict, steps_done: int) -> None:
-        """One micro-batch's forward, loss and backward; its numbers added to ``step_loss``'s sums."""
+    def micro_step(self, step_loss, batch: dict, steps_done: int, first: bool) -> None:
+        """One micro-batch's forward, loss and backward (``first``: the step's first); its numbers added to
+        ``step_loss``'s sums."""
         if steps_done < self.warmup_steps:
             loss, _ = step_loss.micro_batch(self.model, batch)
             loss.backward()
@@ -170,22 +178,34 @@ class MicroStepGraphs:
         self.constants = constants
         # fp32's own reciprocal, as torch's CUDA division by a Python number computes it (StepLoss.loss_and_numbers)
         self.loss_scale.fill_(float(np.float32(1.0) / np.float32(step_loss.label_tokens)))
-        key = signature(batch)
+        key = (signature(batch), first)
         captured = self.graphs.get(key)
         if captured is None:
-            numbers = self._capture(step_loss, batch, key)
+            numbers = self._capture(step_loss, batch, key, first)
         else:
             numbers = captured.replay(batch)
         step_loss.add(numbers, batch)
 
-    def _capture(self, step_loss, batch: dict, key: tuple) -> dict:
+    def zero_grads(self) -> None:
+        """After the optimizer step. Before any capture, gradients freed, as the eager steps do; after, zeroed in place
+        (the graphs add into them), but for those that the first micro-step's graphs write whole."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.graphs:
+            for p in params:
+                p.grad = None
+            return
+        zero_grads(p for p in params if id(p) not in self.written)
+
+    def _capture(self, step_loss, batch: dict, key: tuple, first: bool) -> dict:
         """This micro-step run eagerly on the side stream, then captured there (capturing runs nothing); its numbers."""
         start = time.perf_counter()
         inputs, by_name = _static_batch(batch)
 
         def forward_backward() -> dict:
-            loss, numbers, _ = step_loss.loss_and_numbers(self.model, inputs, self.loss_scale)
-            loss.backward()
+            # A first micro-step writes the experts' gradients over (this step's zeroing skipped them)
+            with gradients_written(self.written) if first else nullcontext():
+                loss, numbers, _ = step_loss.loss_and_numbers(self.model, inputs, self.loss_scale)
+                loss.backward()
             return numbers
 
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -202,6 +222,7 @@ class MicroStepGraphs:
         torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[key] = _Captured(graph, by_name, captured_numbers)
         if self.announce is not None:
-            self.announce(f"cuda_graphs: captured the micro-step in {time.perf_counter() - start:.1f} s (graph {len(self.graphs)}: one "
-                          f"per input shape; {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved)")
+            self.announce(f"cuda_graphs: captured the {'first' if first else 'later'} micro-step in {time.perf_counter() - start:.1f} s "
+                          f"(graph {len(self.graphs)}: one per input shape and place in the step; "
+                          f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved)")
         return numbers
