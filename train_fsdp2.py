@@ -99,6 +99,12 @@ from megablocks_utils.tools.memory import (  # noqa: E402
     check_fit,
     estimate_memory,
 )
+from megablocks_utils.train.cuda_graph import (  # noqa: E402
+    DOCUMENT_MULTIPLE,
+    MicroStepGraphs,
+    graph_blocker,
+    resolve_cuda_graphs,
+)
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
@@ -119,6 +125,11 @@ try:
     lora = check_lora(model_config, finetuning=finetuning, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_target_modules,
                       moe_backend=moe_backend, load_balance_coeff=load_balance_coeff, merge_lora=merge_lora)  # None: a full fine-tune
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
+    # cuda_graphs true that cannot run is refused here already (the attention kernel and FSDP are checked after loading)
+    resolve_cuda_graphs(cuda_graphs, graph_blocker(
+        device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
+        attention=None, activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
+        lora_dropout=lora_dropout if lora else 0.0, dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16))
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
     ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
@@ -161,12 +172,6 @@ from megablocks_utils.train.checkpoint import (  # noqa: E402
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
-)
-from megablocks_utils.train.cuda_graph import (  # noqa: E402
-    DOCUMENT_MULTIPLE,
-    MicroStepGraphs,
-    graph_blocker,
-    resolve_cuda_graphs,
 )
 from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402

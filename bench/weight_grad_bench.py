@@ -101,10 +101,16 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3,dsv2,gptoss")
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--configs", action="store_true", help="time every tile configuration, not only the chosen one")
+    p.add_argument("--configs", nargs="?", const="all", default="",
+                   help="time every tile configuration of CONFIGS (or these, as BMxBNxBKxWARPSxSTAGES,...), not only the chosen one")
     p.add_argument("--out", default="bench/results/weight_grad.jsonl")
     args = p.parse_args()
-    configs = CONFIGS if args.configs else [_CONFIG]
+    if args.configs == "all":
+        configs = CONFIGS
+    elif args.configs:
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    else:
+        configs = [_CONFIG]
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     with open(args.out, "a") as record:
         for name in args.shapes.split(","):

@@ -193,6 +193,10 @@ EARLY_CASES = {
     }),
     "no tokenizer files": (model_copy(remove("tokenizer.json", "tokenizer_config.json")), "has no tokenizer files (none of tokenizer.json, "),
     "unknown setting": (lambda tmp, model: ["--ep_sise", "2"], "unknown setting --ep_sise (did you mean --ep_size?); valid settings: "),
+    "CUDA graphs asked for on a CPU": (lambda tmp, model: ["--cuda_graphs", "true"], {
+        "train_fsdp2.py": "cuda_graphs true: CUDA graphs need a GPU; run with --cuda_graphs auto or false",
+        "train_fsdp1.py": "unknown setting --cuda_graphs",  # Trainer drives its micro-steps itself
+    }),
     "unknown LR scheduler": (lambda tmp, model: ["--lr_scheduler_type", "cosinus"], {
         "train_fsdp2.py": "--lr_scheduler_type cosinus is unknown; choose one of linear, cosine,",
         "train_fsdp1.py": "argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'cosinus'",

@@ -46,10 +46,12 @@ DOCUMENT_MULTIPLE = 64
 CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
 
 
-def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str, activation_checkpointing: str,
+def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str | None, activation_checkpointing: str,
                   checkpoint_experts: bool, lora_dropout: float, dtype: torch.dtype = torch.bfloat16, fsdp: bool = False) -> str | None:
     """Why this run's micro-steps cannot be CUDA graphs, or None when they can (``dtype``: the compute dtype; ``fsdp``:
-    whether FSDP wraps any part of the model, as it does on one GPU to cast weights kept in another dtype)."""
+    whether FSDP wraps any part of the model, as it does on one GPU to cast weights kept in another dtype). The scripts
+    ask once with the settings alone (``attention`` None: not yet chosen), to refuse ``cuda_graphs true`` before any
+    loading, and again once the model is parallelized."""
     if device_type != "cuda":
         return "CUDA graphs need a GPU"
     if dtype != torch.bfloat16:
@@ -63,7 +65,7 @@ def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attent
                 "--optim adamw_bf16 keeps bf16 weights, which one GPU trains without FSDP")
     if moe_backend != "native":
         return f"moe_backend {moe_backend!r} reads routed counts on the host"
-    if attention not in CAPTURABLE_ATTENTION:
+    if attention is not None and attention not in CAPTURABLE_ATTENTION:
         return (f"attention {attention!r} builds or checks its mask on the host; graphs take "
                 f"{' or '.join(CAPTURABLE_ATTENTION)} (attn_implementation auto picks them for rows of whole documents or on bf16 GPUs)")
     if activation_checkpointing != "none" or checkpoint_experts:
