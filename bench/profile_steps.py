@@ -326,6 +326,9 @@ def main() -> None:
     p.add_argument("--layer_marks", action="store_true", help="--phases: a mark where each decoder layer's forward starts")
     p.add_argument("--sync_debug", action="store_true", help="--phases: list the host syncs of the last measured step, by stack")
     p.add_argument("--host_profile", action="store_true", help="--phases: cProfile the last measured step's host time")
+    p.add_argument("--cuda_graphs", default="false",
+                   help="train_fsdp2.py's cuda_graphs (default false: replayed graphs hide which operator launched a kernel, so "
+                        "the parts table and --phases need the micro-steps launched from Python; auto: the default run's GPU timeline)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args, script_args = p.parse_known_args()
     if args.inner:
@@ -353,7 +356,7 @@ def main() -> None:
                "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", out_dir, "--overwrite_output_dir", "true",
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),
                "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5",
-               "--max_steps", str(steps)]
+               "--max_steps", str(steps), "--cuda_graphs", args.cuda_graphs]
     subprocess.run(command, cwd=ROOT, check=True)
 
 
