@@ -30,7 +30,6 @@ import time
 from collections import defaultdict
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -179,7 +178,8 @@ class MicroStepGraphs:
                                f"this step has {constants}; run with --cuda_graphs false")
         self.constants = constants
         # fp32's own reciprocal, as torch's CUDA division by a Python number computes it (StepLoss.loss_and_numbers)
-        self.loss_scale.fill_(float(np.float32(1.0) / np.float32(step_loss.label_tokens)))
+        one, tokens = torch.tensor(1.0, dtype=torch.float32), torch.tensor(float(step_loss.label_tokens), dtype=torch.float32)
+        self.loss_scale.fill_(float(one / tokens))  # on the host, in fp32
         key = (signature(batch), first)
         captured = self.graphs.get(key)
         if captured is None:
@@ -219,8 +219,13 @@ class MicroStepGraphs:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # synchronizes and empties the cache first
-            captured_numbers = forward_backward()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # synchronizes and empties the cache first
+                captured_numbers = forward_backward()
+        except RuntimeError as e:  # e.g. a host sync in a model's forward that no check here knows of
+            raise RuntimeError(f"cuda_graphs: capturing the micro-step failed ({str(e).splitlines()[0][:300]}); something in "
+                               "this model's step reads the GPU from the host or allocates outside the graph; run with "
+                               "--cuda_graphs false (and report the model)") from e
         torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[key] = _Captured(graph, by_name, captured_numbers)
         if self.announce is not None:
