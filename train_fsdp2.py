@@ -129,7 +129,7 @@ try:
     resolve_cuda_graphs(cuda_graphs, graph_blocker(
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
         attention=None, activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
-        lora_dropout=lora_dropout if lora else 0.0, dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16))
+        lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16))
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
     ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
@@ -307,7 +307,7 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
     use_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, graph_blocker(
         device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
-        lora_dropout=lora_dropout if lora else 0.0, dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules())))
+        lora=bool(lora), dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules())))
 except InputError as e:
     fail(e)
 if master:

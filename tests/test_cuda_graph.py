@@ -8,7 +8,7 @@ from megablocks_utils.model.attention import varlen_inputs
 from megablocks_utils.train.cuda_graph import _static_batch, graph_blocker, resolve_cuda_graphs, signature
 
 ONE_GPU = dict(device_type="cuda", world_size=1, moe_backend="native", attention="varlen", activation_checkpointing="none",
-               checkpoint_experts=False, lora_dropout=0.0)
+               checkpoint_experts=False, lora=False)
 
 
 def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
@@ -21,7 +21,7 @@ def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
         "attention": ("flex_attention", "flex_attention"),
         "activation_checkpointing": ("full", "checkpointing"),
         "checkpoint_experts": (True, "checkpointing"),
-        "lora_dropout": (0.1, "lora_dropout"),
+        "lora": (True, "LoRA"),
         "dtype": (torch.float32, "per-expert loop"),
         "fsdp": (True, "--optim adamw_bf16"),
     }

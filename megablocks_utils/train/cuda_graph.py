@@ -46,7 +46,7 @@ CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
 
 
 def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str | None, activation_checkpointing: str,
-                  checkpoint_experts: bool, lora_dropout: float, dtype: torch.dtype = torch.bfloat16, fsdp: bool = False) -> str | None:
+                  checkpoint_experts: bool, lora: bool, dtype: torch.dtype = torch.bfloat16, fsdp: bool = False) -> str | None:
     """Why this run's micro-steps cannot be CUDA graphs, or None when they can (``dtype``: the compute dtype; ``fsdp``:
     whether FSDP wraps any part of the model, as it does on one GPU to cast weights kept in another dtype). The scripts
     ask once with the settings alone (``attention`` None: not yet chosen), to refuse ``cuda_graphs true`` before any
@@ -69,8 +69,8 @@ def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attent
                 f"{' or '.join(CAPTURABLE_ATTENTION)} (attn_implementation auto picks them for rows of whole documents or on bf16 GPUs)")
     if activation_checkpointing != "none" or checkpoint_experts:
         return "activation checkpointing under a graph is not yet verified"
-    if lora_dropout > 0:
-        return "lora_dropout draws random numbers, not yet verified under a graph"
+    if lora:
+        return "LoRA under a graph is not yet verified on a GPU"
     return None
 
 
