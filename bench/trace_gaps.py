@@ -7,7 +7,9 @@ computed, not how long it waited between kernels; this reads the timeline of the
 its busy time, and each gap between one kernel's end and the next one's start. A gap is the host's when the next
 kernel was launched after the gap began (the host was late), else the GPU's own (the kernel waited on something
 else, or kernels too short to fill the queue). Host gaps are summed by the CPU operators that launched the next
-kernel (the innermost two enclosing operators of its launch call), so the table names what to make cheaper.
+kernel (the innermost two enclosing operators of its launch call), so the table names what to make cheaper. Last, the
+stream's kernel time by kernel name: the breakdown that is left for micro-steps replayed from CUDA graphs (their
+kernels have no launching operator).
 """
 
 import argparse
@@ -77,13 +79,20 @@ def analyse(events: list[dict], min_us: float = 5.0, top: int = 25) -> dict:
                 table[name][1] += gap
         busy += k["dur"] - max(0.0, end - k["ts"]) if k["ts"] + k["dur"] > end else 0.0
         end = max(end, k["ts"] + k["dur"])
+    # Kernel time by kernel (template arguments cut): what a step replayed from CUDA graphs shows, whose kernels name no
+    # launching operator (the graph launched them all).
+    by_kernel: dict = defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        by_kernel[k["name"].split("<", 1)[0][:90]][0] += 1
+        by_kernel[k["name"].split("<", 1)[0][:90]][1] += k["dur"]
     rank = lambda t: sorted(t.items(), key=lambda kv: -kv[1][1])[:top]  # noqa: E731
     return {"stream": list(stream), "kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3,
             "idle_ms": (span - busy) / 1e3, "gap_sizes": {k: {"count": c, "ms": round(t / 1e3, 2)} for k, (c, t) in sizes.items()},
             "host_late_ms": sum(t for _, t in host_gaps.values()) / 1e3,
             "device_wait_ms": sum(t for _, t in device_gaps.values()) / 1e3,
             "host_late_by_launcher": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(host_gaps)],
-            "device_wait_before_kernel": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(device_gaps)]}
+            "device_wait_before_kernel": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(device_gaps)],
+            "kernel_time": [(n, c, round(t / 1e3, 3)) for n, (c, t) in rank(by_kernel)]}
 
 
 def render(result: dict) -> str:
@@ -95,6 +104,8 @@ def render(result: dict) -> str:
     lines += [f"| {n} | {c} | {t:.2f} |" for n, c, t in result["host_late_by_launcher"]]
     lines += ["", "| GPU waiting, launched: before kernel | gaps | ms |", "|---|---|---|"]
     lines += [f"| {n} | {c} | {t:.2f} |" for n, c, t in result["device_wait_before_kernel"]]
+    lines += ["", "| kernel (busiest stream, whole trace) | launches | ms |", "|---|---|---|"]
+    lines += [f"| {n} | {c} | {t:.2f} |" for n, c, t in result.get("kernel_time", [])]
     return "\n".join(lines)
 
 

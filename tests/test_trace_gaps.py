@@ -27,3 +27,4 @@ def test_gaps_split_into_host_late_and_gpu_waiting():
     assert result["host_late_by_launcher"] == [("aten::add < layer", 1, 0.1)]
     assert result["device_wait_before_kernel"] == [("k3", 1, 0.02)]
     assert result["gap_sizes"]["50-500 us"] == {"count": 1, "ms": 0.1} and result["gap_sizes"]["5-50 us"] == {"count": 1, "ms": 0.02}
+    assert result["kernel_time"] == [("k1", 1, 0.1), ("k2", 1, 0.05), ("k3", 1, 0.02)]  # the busiest stream's, longest first
