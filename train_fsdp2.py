@@ -369,7 +369,7 @@ log = MetricsLog(metrics_path if master else None, aux_coef=aux_coef, world_size
 world_group = mesh.world.get_group()
 
 # After the warm-up steps each micro-step (forward, loss, backward) is replayed from a CUDA graph; gradients then stay
-# allocated and are zeroed in place, as the graph adds into them.
+# allocated: the graphs add into them (the experts' are written over by a step's first micro-step, the rest zeroed).
 graphs = MicroStepGraphs(model, device, announce=progress.write if master else None) if use_graphs else None
 run_start = time.perf_counter()
 clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
