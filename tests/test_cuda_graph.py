@@ -5,7 +5,7 @@ import torch
 
 from megablocks_utils.config.inputs import InputError
 from megablocks_utils.model.attention import varlen_inputs
-from megablocks_utils.train.cuda_graph import _static_batch, graph_blocker, resolve_cuda_graphs, signature
+from megablocks_utils.train.cuda_graph import _Captured, _static_batch, graph_blocker, resolve_cuda_graphs, signature
 
 ONE_GPU = dict(device_type="cuda", world_size=1, moe_backend="native", attention="varlen", activation_checkpointing="none",
                checkpoint_experts=False, lora=False)
@@ -93,3 +93,49 @@ def _zero_mixed_gradients(mesh, DTensor, Shard, zero_grads) -> None:
     for before, p in zip(kept, (plain, sharded, half)):
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         assert local.data_ptr() == before.data_ptr() and not local.any()
+
+
+def test_router_stats_of_one_rank_make_no_collective(monkeypatch):
+    """On one rank the routing statistics are already global: no all_reduce (a collective would be one more launch, and
+    inside a CUDA graph one more thing to capture); the numbers are the one rank's."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from conftest import free_port
+
+    from megablocks_utils.moe.aux_loss import router_stats
+    from megablocks_utils.moe.layer import ExpertParallelMoE
+
+    block = ExpertParallelMoE(8, 4, 2, True, SimpleNamespace(ep_size=1), "silu")
+    model = torch.nn.Sequential(block)
+    block.router_probs = torch.full((3, 4), 0.25)
+    block.router_choices = torch.tensor([[0, 1], [0, 2], [0, 3]])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        def refuse(*args, **kwargs):
+            raise AssertionError("router_stats called all_reduce on a one-rank group")
+
+        monkeypatch.setattr(dist, "all_reduce", refuse)
+        stats = router_stats(model, None, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert stats.tokens_per_expert.tolist() == [[3.0, 1.0, 1.0, 1.0]]
+    # E * sum_e f_e P_e with f = counts / rows (3) and P_e = 0.25: 4 * (6 / 3) * 0.25 = 2
+    assert float(stats.value) == pytest.approx(2.0)
+
+
+def test_a_replay_copies_the_new_batch_into_the_graphs_inputs_once_each():
+    class Graph:  # stands in for torch.cuda.CUDAGraph: what the graph reads when replayed
+        def replay(self):
+            self.seen = (static["input_ids"].clone(), static["labels"].clone())
+
+    ids = torch.arange(8).view(1, 8)
+    batch = {"input_ids": ids, "labels": ids + 1, "attention_sq": 64.0, "model_inputs": {"input_ids": ids, "use_cache": False}}
+    static, by_name = _static_batch(batch)
+    graph = Graph()
+    captured = _Captured(graph, by_name, {"ce_sum": torch.zeros(())})
+    assert len(captured.inputs) == 2  # input_ids (under two names) and labels
+    new_ids = torch.arange(8, 16).view(1, 8)
+    numbers = captured.replay({**batch, "input_ids": new_ids, "labels": new_ids * 2, "model_inputs": {"input_ids": new_ids, "use_cache": False}})
+    assert torch.equal(graph.seen[0], new_ids) and torch.equal(graph.seen[1], new_ids * 2)
+    assert numbers is captured.numbers

@@ -114,20 +114,23 @@ def zero_grads(params) -> None:
 
 
 class _Captured:
-    """One captured micro-step: its input tensors (the graph reads them), its numbers (it writes them)."""
+    """One captured micro-step: its input tensors by name (the graph reads them), its numbers (it writes them)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, numbers: dict):
-        self.graph, self.inputs, self.numbers = graph, inputs, numbers
+        self.graph, self.numbers = graph, numbers
+        # A tensor the batch holds under two names (input_ids: the batch's and the model's) is copied in once.
+        self.inputs = list({id(t): (name, t) for name, t in inputs.items()}.values())
 
     def replay(self, batch: dict) -> dict:
-        for name, value in _tensors(batch).items():
-            self.inputs[name].copy_(value)
+        given = _tensors(batch)
+        for name, static in self.inputs:
+            static.copy_(given[name])
         self.graph.replay()
         return self.numbers
 
 
 def _tensors(batch: dict) -> dict:
-    """The batch's tensors by name (a tensor in both the batch and its model inputs once)."""
+    """The batch's tensors by name: ``batch.<key>`` and ``model.<key>`` (its model inputs), a shared tensor under both."""
     out = {f"batch.{k}": v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     out.update({f"model.{k}": v for k, v in batch["model_inputs"].items() if isinstance(v, torch.Tensor)})
     return out
@@ -212,8 +215,7 @@ class MicroStepGraphs:
 
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            numbers = forward_backward()
-            numbers = {k: v.clone() for k, v in numbers.items()}
+            numbers = forward_backward()  # its own tensors: the capture below allocates from the graph's pool
         # A gradient made inside the capture would be the graph's own, rewritten (not added to) at every replay.
         for p in self.model.parameters():
             if p.requires_grad and p.grad is None:
