@@ -29,6 +29,24 @@ CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (25
            (128, 128, 32, 4, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
 
 
+def compiled_kernels() -> list:
+    """Each compiled weight-gradient kernel's shared memory, registers, spills and whether its loop was pipelined (the
+    async copies in its TTGIR): a kernel whose loads are not pipelined waits for each tile's rows."""
+    from megablocks_utils.moe import weight_grad_kernel as kernels
+
+    found = []
+    for fn in (kernels._weight_grad_kernel, kernels._weight_grad_persistent_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            compiled = cache[0] if isinstance(cache, tuple) else cache
+            for kernel in getattr(compiled, "values", lambda: [])():
+                ttgir = kernel.asm.get("ttgir", "")
+                found.append({"kernel": fn.fn.__name__, "warps": kernel.metadata.num_warps, "stages": kernel.metadata.num_stages,
+                              "shared": kernel.metadata.shared, "regs": getattr(kernel, "n_regs", None),
+                              "spills": getattr(kernel, "n_spills", None), "async_copies": ttgir.count("async_copy"),
+                              "tma": ttgir.count("tma")})
+    return found
+
+
 def run_shape(name, tokens, configs, record):
     experts, hidden, inter, k = SHAPES[name]
     rows = tokens * k
@@ -64,6 +82,8 @@ def run_shape(name, tokens, configs, record):
             gm(x, w.transpose(-2, -1), offs)
 
         fresh = torch.empty_like(w)
+        start_check = torch.randn_like(w) * 1e-3
+        default_check = grouped_weight_grad(g, x, offs, start_check.clone(), accumulate=True)
         out = {
             "shape": name, "proj": proj, "experts": experts, "m": m, "n": n, "rows": rows,
             "forward_ms": do_bench(forward_only),
@@ -77,6 +97,8 @@ def run_shape(name, tokens, configs, record):
             key = "x".join(map(str, cfg))
             out[f"ours_fresh_ms[{key}]"] = do_bench(lambda cfg=cfg: grouped_weight_grad(g, x, offs, fresh, accumulate=False, config=cfg))
             out[f"ours_acc_ms[{key}]"] = do_bench(lambda cfg=cfg: grouped_weight_grad(g, x, offs, acc, accumulate=True, config=cfg))
+            check = grouped_weight_grad(g, x, offs, start_check.clone(), accumulate=True, config=cfg)
+            out[f"ours_equal_default[{key}]"] = bool(torch.equal(check, default_check))
         out["torch_dw_tflops"] = flops / out["torch_dw_ms"] / 1e9
         out["add_gbps"] = 3 * grad_bytes / out["add_ms"] / 1e6
         # accuracy: against fp64 per expert, the accumulate from a known start
@@ -92,6 +114,7 @@ def run_shape(name, tokens, configs, record):
         out["torch_max_err"] = (theirs.double() - ref).abs().max().item() / scale
         out["ours_vs_torch_max_diff"] = (ours.double() - theirs.double()).abs().max().item() / scale
         out["ours_vs_torch_equal_frac"] = (ours == theirs).float().mean().item()
+        out["compiled"] = compiled_kernels()
         print(json.dumps(out), flush=True)
         record.write(json.dumps(out) + "\n")
         record.flush()
@@ -102,7 +125,7 @@ def main():
     p.add_argument("--shapes", default="qwen3,dsv2,gptoss")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--configs", nargs="?", const="all", default="",
-                   help="time every tile configuration of CONFIGS (or these, as BMxBNxBKxWARPSxSTAGES,...), not only the chosen one")
+                   help="time every tile configuration of CONFIGS (or these, as BMxBNxBKxWARPSxSTAGES[xPROGRAMS_PER_SM],...: a sixth entry > 0 runs the persistent kernel), not only the chosen one")
     p.add_argument("--out", default="bench/results/weight_grad.jsonl")
     args = p.parse_args()
     if args.configs == "all":
