@@ -284,7 +284,7 @@ def report(args, prof, times: list[float]) -> None:
               "shape": args.shape, "layers": args.layers, "data": args.data, "routing": args.routing, "profiled_steps": steps,
               "wall_s_per_step": [round(w, 4) for w in wall], "gpu_busy_s_per_step": busy / 1e6 / steps,
               "parts_s_per_step": {k: v / 1e6 / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
-              "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:40]}}
+              "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]}}
     if args.trace:
         prof.export_chrome_trace(args.trace)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -320,6 +320,7 @@ def main() -> None:
     p.add_argument("--dir", default="", help="the checkpoint (written if missing); default /tmp/<shape>-L<layers>")
     p.add_argument("--work", default="/tmp/profile_steps")
     p.add_argument("--out", default="bench/results/profile_steps.jsonl")
+    p.add_argument("--top", type=int, default=40, help="operators kept in the record's top_ops_s_per_step")
     p.add_argument("--trace", default="", help="also write the profiled steps' chrome trace to this file")
     p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")
     p.add_argument("--phases", action="store_true", help="no profiler: CUDA events at each phase of the step (host vs GPU time)")
@@ -349,7 +350,7 @@ def main() -> None:
     out_dir = os.path.join(args.work, "run")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.abspath(__file__), "--inner",
                "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--routing", args.routing, "--wait", str(args.wait),
-               "--active", str(args.active), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
+               "--active", str(args.active), "--top", str(args.top), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
                *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),
                *(["--sync_debug"] if args.sync_debug else []), *(["--host_profile"] if args.host_profile else []),
                # train_fsdp2.py's settings: its defaults, the bench batch of bench/real_data.py
