@@ -332,8 +332,8 @@ def main() -> None:
                         "the parts table and --phases need the micro-steps launched from Python; auto: the default run's GPU timeline)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args, script_args = p.parse_known_args()
-    if args.inner:
-        return (phases if args.phases else inner)(args, script_args)
+    if args.inner:  # this parser took --cuda_graphs: hand it on to train_fsdp2.py
+        return (phases if args.phases else inner)(args, [*script_args, "--cuda_graphs", args.cuda_graphs])
     from routing_skew import parse_routing
 
     try:
