@@ -35,7 +35,7 @@ def compiled_kernels() -> list:
     from megablocks_utils.moe import weight_grad_kernel as kernels
 
     found = []
-    for fn in (kernels._weight_grad_kernel, kernels._weight_grad_persistent_kernel):
+    for fn in (kernels._weight_grad_kernel,):
         for cache in getattr(fn, "device_caches", {}).values():
             compiled = cache[0] if isinstance(cache, tuple) else cache
             for kernel in getattr(compiled, "values", lambda: [])():
@@ -125,7 +125,7 @@ def main():
     p.add_argument("--shapes", default="qwen3,dsv2,gptoss")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--configs", nargs="?", const="all", default="",
-                   help="time every tile configuration of CONFIGS (or these, as BMxBNxBKxWARPSxSTAGES[xPROGRAMS_PER_SM],...: a sixth entry > 0 runs the persistent kernel), not only the chosen one")
+                   help="time every tile configuration of CONFIGS (or these, as BMxBNxBKxWARPSxSTAGES,...), not only the chosen one")
     p.add_argument("--out", default="bench/results/weight_grad.jsonl")
     args = p.parse_args()
     if args.configs == "all":
