@@ -185,6 +185,7 @@ from megablocks_utils.train.optim import (  # noqa: E402
     build_optimizer,
     param_dtype,
     parameter_groups,
+    prepare_step,
     state_bytes,
 )
 from megablocks_utils.train.output_dir import (
@@ -393,6 +394,8 @@ for step in range(start_step, total_steps):
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
     grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)
+    # adamw_bf16 builds its launch now, while the GPU still runs the micro-steps (the check below waits for them)
+    prepared = prepare_step(optimizer, clip_coef)
     # Before the optimizer step: the sums over ranks, so every rank decides on the same global loss and norm; each
     # rank's SIGTERM flag goes with them (stop_signal.stopping, read at the step's end).
     try:
@@ -406,7 +409,7 @@ for step in range(start_step, total_steps):
     if not skipped:
         # adamw_bf16 multiplies each gradient by clip_coef as its update reads it (one pass over them fewer);
         # the other optimizers' gradients are scaled first. The same numbers either way.
-        clipped_step(optimizer, clip_coef)
+        clipped_step(optimizer, clip_coef, prepared)
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does

@@ -162,6 +162,36 @@ def test_the_clip_coefficient_folded_into_the_step_gives_the_bits_of_scaling_the
             assert torch.equal(first_opt.state[p][key], folded_opt.state[q][key])
 
 
+def test_a_step_prepared_ahead_changes_nothing_until_applied_and_then_trains_the_same_bits():
+    """``prepare`` (train_fsdp2.py runs it before the host waits at the step's check) leaves weights, moments and step
+    counts as they were; applying it gives the bits of a plain ``step`` (bias corrections of the step it makes, the
+    same seeds); it applies once, and not after another step."""
+
+    def run(prepared_ahead: bool):
+        torch.manual_seed(3)
+        params = _params(2)
+        opt = AdamWBF16(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        for step in range(3):
+            _set_grads(params, step)
+            if prepared_ahead:
+                before = [p.clone() for p in params]
+                prepared = opt.prepare()
+                assert all(torch.equal(p, b) for p, b in zip(params, before))
+                assert [float(opt.state[p]["step"]) for p in params] == [float(step)] * len(params)
+                opt.step(prepared=prepared)
+                with pytest.raises(RuntimeError, match="applied twice|another optimizer or step"):
+                    opt.step(prepared=prepared)
+            else:
+                opt.step()
+        return params, opt
+
+    (plain, plain_opt), (ahead, ahead_opt) = run(False), run(True)
+    for p, q in zip(plain, ahead):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(plain_opt.state[p][key], ahead_opt.state[q][key])
+
+
 KERNEL_WITH_A_CLIP_COEF = """
 import torch
 from megablocks_utils.train.adamw_bf16 import _triton_update

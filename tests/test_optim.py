@@ -20,6 +20,7 @@ from megablocks_utils.train.optim import (
     decay_parameter_names,
     param_dtype,
     parameter_groups,
+    prepare_step,
     state_bytes,
 )
 
@@ -29,7 +30,8 @@ STATE_BYTES = {"adamw_torch": (7.9, 8.1), "adamw_bf16": (3.9, 4.1), "adamw_torch
 
 
 def train_steps(rank, world, optim, ep_size, steps=4, max_norm=1.0, fold=False):
-    """``fold``: the clip as train_fsdp2.py applies it (``clipped_step``), else ``clip_grad_norm_`` then the step."""
+    """``fold``: the clip as train_fsdp2.py applies it (the step prepared ahead, then ``clipped_step``), else
+    ``clip_grad_norm_`` then the step."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -50,7 +52,7 @@ def train_steps(rank, world, optim, ep_size, steps=4, max_norm=1.0, fold=False):
         loss.backward()
         if fold:
             norm, coef = grad_norm_and_clip_coef(model.parameters(), max_norm)
-            clipped_step(optimizer, coef)
+            clipped_step(optimizer, coef, prepare_step(optimizer, coef))
         else:
             norm = clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
@@ -96,8 +98,8 @@ def check_clip_folded_into_adamw_bf16(rank, world):
 
 
 def test_adamw_bf16_with_the_clip_folded_in_trains_the_same_bits():
-    """adamw_bf16 multiplying the clip's coefficient into each gradient as its update reads it (``clipped_step``,
-    train_fsdp2.py's path) gives the weights, moments and losses of clipping the gradients in place first, bit for bit:
+    """adamw_bf16 multiplying the clip's coefficient into each gradient as its update reads it (``clipped_step`` of a
+    step prepared ahead, train_fsdp2.py's path) gives the weights, moments and losses of clipping the gradients in place first, bit for bit:
     the update rounds the product to bf16 as the in-place multiply stores it (adamw_bf16.py). Equal noise: the same
     seeds, drawn in the same order."""
     run_ranks(check_clip_folded_into_adamw_bf16, 2)

@@ -153,15 +153,25 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
+def prepare_step(optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None):
+    """The host's part of the next ``clipped_step``, done ahead (``AdamWBF16.prepare``: its launch built while the GPU
+    still runs the micro-steps, before the host waits at the step's check); None for the other optimizers, whose
+    step does its host work when it runs."""
+    if isinstance(optimizer, AdamWBF16):
+        return optimizer.prepare(clip_coef)
+    return None
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None, prepared=None) -> None:
     """``optimizer.step()`` on its gradients multiplied by ``clip_coef`` (``grad_norm_and_clip_coef``'s; None: as they are).
 
     ``AdamWBF16`` (adamw_bf16) multiplies each gradient as its update reads it, which saves a pass over all gradients
     (a read and a write of each); the other optimizers get their gradients scaled in place first (``scale_grads_``).
     Either way the update sees the same numbers: the product rounded to the gradient's dtype (adamw_bf16.py).
+    ``prepared``: ``prepare_step``'s result for this step and ``clip_coef``.
     """
-    if clip_coef is not None and isinstance(optimizer, AdamWBF16):
-        optimizer.step(clip_coef=clip_coef)
+    if isinstance(optimizer, AdamWBF16):
+        optimizer.step(clip_coef=clip_coef, prepared=prepared)
         return
     if clip_coef is not None:
         scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip_coef)
