@@ -72,11 +72,12 @@ def test_kernel_with_a_clip_coefficient_equals_the_gradient_scaled_first():
 
 
 def test_the_step_with_the_clip_folded_in_equals_clipping_first():
-    """AdamWBF16 on the GPU (one launch for all tensors): ``clipped_step`` after ``grad_norm_and_clip_coef`` leaves the
-    weights and moments of ``clip_grad_norm_`` followed by the plain step, bit for bit, over three steps."""
+    """AdamWBF16 on the GPU (one launch for all tensors): ``clipped_step`` of a step prepared ahead after
+    ``grad_norm_and_clip_coef`` (train_fsdp2.py's path: the table copied to the GPU before the step) leaves the weights
+    and moments of ``clip_grad_norm_`` followed by the plain step, bit for bit, over three steps."""
     from megablocks_utils.parallel import grads
     from megablocks_utils.train.adamw_bf16 import AdamWBF16
-    from megablocks_utils.train.optim import clipped_step
+    from megablocks_utils.train.optim import clipped_step, prepare_step
 
     def run(fold: bool):
         torch.manual_seed(3)
@@ -88,7 +89,9 @@ def test_the_step_with_the_clip_folded_in_equals_clipping_first():
                 p.grad = torch.randn(p.shape, generator=g, device="cuda").bfloat16()
             if fold:
                 norm, coef = grads.grad_norm_and_clip_coef(params, 1.0)
-                clipped_step(opt, coef)
+                prepared = prepare_step(opt, coef)
+                torch.cuda._sleep(10_000_000)  # the GPU still busy while the step waits, as after the micro-steps
+                clipped_step(opt, coef, prepared)
             else:
                 norm = grads.clip_grad_norm_(params, 1.0)
                 opt.step()
