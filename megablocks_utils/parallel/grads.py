@@ -55,6 +55,10 @@ def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.Pr
     return float(world_size)
 
 
+# Gradients of at least this many elements on a GPU get their sum of squares from sum_squares_kernel.py.
+LARGE_GRADIENT = 1 << 22
+
+
 def grad_norm_and_clip_coef(
     parameters, max_norm: float, *, sharded_group: dist.ProcessGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,10 +89,21 @@ def grad_norm_and_clip_coef(
             groups.setdefault((_copies_in_world(g, world_size, sharded_group), local.device, local.dtype), []).append(local)
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for (copies, _, _), tensors in groups.items():
-        # torch._foreach_norm: the multi-tensor norm torch's own clip_grad_norm_ uses; its dtype argument (fp32 whatever
-        # the gradients' dtype) has no public equivalent (torch.nn.utils.get_total_norm returns the gradients' dtype).
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
-        squared = squared + torch.stack(norms).square().sum().to(device) / copies
+        # Large CUDA gradients (the experts'): a Triton reduction each, at twice _foreach_norm's bandwidth
+        # (sum_squares_kernel.py); the many small ones in one multi-tensor launch.
+        large = [t for t in tensors if t.is_cuda and t.numel() >= LARGE_GRADIENT and t.is_contiguous()]
+        if large:
+            from megablocks_utils.parallel.sum_squares_kernel import sum_of_squares  # Triton: imported where a GPU runs it
+
+            squared = squared + sum_of_squares(large).to(device) / copies
+            taken = {id(t) for t in large}
+            tensors = [t for t in tensors if id(t) not in taken]
+        if tensors:
+            # torch._foreach_norm: the multi-tensor norm torch's own clip_grad_norm_ uses; its dtype argument (fp32
+            # whatever the gradients' dtype) has no public equivalent (torch.nn.utils.get_total_norm returns the
+            # gradients' dtype).
+            norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+            squared = squared + torch.stack(norms).square().sum().to(device) / copies
     if world_size > 1:
         dist.all_reduce(squared)
     total = squared.sqrt()
