@@ -5,7 +5,9 @@ float64 norm, bf16 gradients as the experts' are."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from .launch import gpus
+
+pytestmark = gpus(1)
 
 
 def test_the_norm_of_large_and_small_gradients_equals_float64s(monkeypatch):
