@@ -120,3 +120,23 @@ def test_force_loop_runs_the_per_expert_loop_where_grouped_gemms_would_run(monke
     torch.testing.assert_close(grouped(x, top_i, top_w), reference, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(moe_experts, "grouped_mm", lambda *a, **k: pytest.fail("force_loop must not use grouped_mm"))
     torch.testing.assert_close(looped(x, top_i, top_w), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("experts", [8, 256, 300, 40000])
+def test_route_sorts_narrowed_keys_as_int64_ones(experts):
+    """``route`` sorts the expert ids as uint8 / int16 / int32 (one radix pass per byte on CUDA): the same stable
+    order, copy rows and counts as sorting the int64 ids, up to the largest id each dtype holds."""
+    from megablocks_utils.moe.dispatch import narrow_keys, route
+
+    torch.manual_seed(experts)
+    tokens, k = 500, 4
+    top_i = torch.randint(0, experts, (tokens, k))
+    top_i[:50] = torch.arange(experts - k, experts)  # the largest ids, on many tokens: ties the order must keep
+    got = route(top_i, experts)
+    order = torch.argsort(top_i.reshape(-1), stable=True)
+    assert torch.equal(got.order, order) and got.order.dtype == torch.int64
+    assert torch.equal(got.token_of_copy, order // k)
+    assert torch.equal(got.copy_row, torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())))
+    assert torch.equal(got.counts, torch.bincount(top_i.reshape(-1), minlength=experts))
+    expected = torch.uint8 if experts <= 256 else torch.int16 if experts <= 32768 else torch.int32
+    assert narrow_keys(top_i, experts).dtype == expected

@@ -38,11 +38,21 @@ class Route(NamedTuple):
     counts: torch.Tensor  # token copies per expert [E]
 
 
+def narrow_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:
+    """``keys`` (integers in [0, bound)) in the narrowest integer dtype that holds them, for a stable argsort: the same
+    order, and CUDA's radix sort makes one pass per 8 bits of the key's dtype (int64 expert ids: 8 passes, 4.8 ms of a
+    DeepSeek-V2-Lite step on one H200; uint8: one)."""
+    for dtype, limit in ((torch.uint8, 1 << 8), (torch.int16, 1 << 15), (torch.int32, 1 << 31)):
+        if bound <= limit:
+            return keys.to(dtype)
+    return keys
+
+
 def route(top_i: torch.Tensor, num_experts: int) -> Route:
     """Token copies sorted by expert: the order, each copy's token, each token's copy rows, tokens per expert."""
     k = top_i.shape[1]
     flat_expert = top_i.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
+    order = torch.argsort(narrow_keys(flat_expert, num_experts), stable=True)
     # copy_row[t * k + j]: the row (in expert order) of token t's j-th choice.
     copy_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # Tokens per expert; bincount would sync with the host on CUDA (its length depends on the largest index).
@@ -115,7 +125,7 @@ def exchange(
         slot = torch.repeat_interleave(
             torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=sum(recv_splits[c])
         )
-        regroup = torch.argsort((slot % local) * ep + slot // local, stable=True)
+        regroup = torch.argsort(narrow_keys((slot % local) * ep + slot // local, ep * local), stable=True)
         expert_out = compute(received[c][regroup], recv[:, c, :].sum(0))
         source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
         outs.append(all_to_all_single_autograd(source_major, send_splits[c], recv_splits[c], group))
