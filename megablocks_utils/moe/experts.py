@@ -24,6 +24,28 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class _SiluMul(torch.autograd.Function):
+    """``_silu_mul`` with its forward compiled (``fused``: one kernel) and its backward our Triton kernel
+    (``swiglu_kernel.py``: gate, up and the gradient read once, where the compiled backward reads two of them twice)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return fused(_silu_mul)(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from megablocks_utils.moe.swiglu_kernel import silu_mul_backward  # Triton: imported where a GPU runs it
+
+        (gate_up,) = ctx.saved_tensors
+        return silu_mul_backward(gate_up, grad)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the fused [rows, 2I] projection as one kernel each way (CUDA; ``compile_elementwise``)."""
+    return _SiluMul.apply(gate_up)
+
+
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's expert activation: gate clamped from above, up on both sides, a sigmoid of gain alpha,
     and up shifted by one (the same operations in the same order as transformers' ``GptOssExperts``)."""
@@ -154,7 +176,7 @@ class LocalExperts:
         if has_bias:
             gate_up = add_bias(gate_up, weights[2])
         if fuse and self.is_silu:
-            hidden = fused(_silu_mul)(gate_up)
+            hidden = silu_mul(gate_up)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)
         else:
