@@ -26,6 +26,8 @@ def main():
     p.add_argument("--out", default="bench/results/swiglu.jsonl")
     a = p.parse_args()
     for name, (rows, width) in SHAPES.items():
+        # Each shape compiled afresh: a second width would recompile with a symbolic width, the slow kernel fused.py avoids
+        torch._dynamo.reset()
         gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16).requires_grad_()
         grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
         least_bytes = rows * width * 2 * 5  # read gate, up, grad; write both halves
