@@ -190,6 +190,10 @@ def test_a_step_prepared_ahead_changes_nothing_until_applied_and_then_trains_the
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(plain_opt.state[p][key], ahead_opt.state[q][key])
+    stale = ahead_opt.prepare()
+    ahead_opt.step()  # a step in between: the prepared one's bias corrections and seeds are stale
+    with pytest.raises(RuntimeError, match="another optimizer or step"):
+        ahead_opt.step(prepared=stale)
 
 
 KERNEL_WITH_A_CLIP_COEF = """

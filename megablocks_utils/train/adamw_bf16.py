@@ -71,6 +71,7 @@ class AdamWBF16(torch.optim.Optimizer):
             raise ValueError(f"AdamWBF16: lr={lr}, eps={eps}, betas={betas} out of range")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.multi_tensor = multi_tensor
+        self.steps_taken = 0  # steps applied by this object (a prepared step must be applied before the next one)
 
     @torch.no_grad()
     def step(self, closure=None, *, clip_coef: torch.Tensor | None = None, prepared: "PreparedStep | None" = None):
@@ -84,7 +85,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 loss = closure()
         if prepared is None:
             prepared = self.prepare(clip_coef)
-        elif prepared.optimizer is not self or prepared.steps_before != [float(s) for s in prepared.steps]:
+        elif prepared.optimizer is not self or prepared.steps_taken != self.steps_taken:
             raise RuntimeError("AdamWBF16.step: the prepared step belongs to another optimizer or step; prepare it again")
         prepared.apply()
         return loss
@@ -103,7 +104,7 @@ class AdamWBF16(torch.optim.Optimizer):
             if not self.state[p]:
                 self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         steps = [self.state[p]["step"] for _, p in with_grads]
-        prepared = PreparedStep(self, steps, [float(s) for s in steps])
+        prepared = PreparedStep(self, steps)
         if not with_grads:
             return prepared
         # One draw, in the parameters' order: the seeds that one draw per tensor gives (tests/test_adamw_bf16.py).
@@ -138,8 +139,9 @@ class AdamWBF16(torch.optim.Optimizer):
 class PreparedStep:
     """``AdamWBF16.prepare``'s result: the updates of one step, ready to launch (``apply``)."""
 
-    def __init__(self, optimizer: AdamWBF16, steps: list[torch.Tensor], steps_before: list[float]):
-        self.optimizer, self.steps, self.steps_before = optimizer, steps, steps_before
+    def __init__(self, optimizer: AdamWBF16, steps: list[torch.Tensor]):
+        self.optimizer, self.steps = optimizer, steps
+        self.steps_taken = optimizer.steps_taken  # the optimizer's count when prepared: applied only at that count
         self.single: list[tuple[_TensorUpdate, torch.Tensor | None]] = []  # a launch (or torch operations) each
         self.launches: list[tuple] = []  # the multi-tensor launches: (table, tensors, programs, aligned, coef)
         self.applied = False
@@ -148,6 +150,7 @@ class PreparedStep:
         if self.applied:
             raise RuntimeError("AdamWBF16: a prepared step was applied twice")
         self.applied = True
+        self.optimizer.steps_taken += 1
         if self.steps:
             torch._foreach_add_(self.steps, 1)
         for update, coef in self.single:
