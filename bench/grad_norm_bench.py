@@ -1,6 +1,6 @@
 """The gradient norm's GPU time at DeepSeek-V2-Lite's shape (20 layers: 38 expert gradients, 10.5 B bf16 elements), one
 GPU: torch's multi-tensor norm (``_foreach_norm``, what ``grad_norm_and_clip_coef`` runs) against one reduction per
-tensor (``torch.linalg.vector_norm`` in fp32) and a Triton sum of squares per tensor; and whether the expert weight
+tensor (``torch.linalg.vector_norm`` in fp32) and ``parallel/sum_squares_kernel.py``'s sum of squares per tensor; and whether the expert weight
 gradient overlaps the grouped GEMM's dX when it runs on a second stream.
 
     python bench/grad_norm_bench.py [--layers 19] [--out FILE.jsonl]
@@ -13,35 +13,18 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megablocks_utils.moe.weight_grad import grouped_mm  # noqa: E402
 from megablocks_utils.moe.weight_grad_kernel import grouped_weight_grad  # noqa: E402
+from megablocks_utils.parallel.sum_squares_kernel import sum_of_squares  # noqa: E402
 
 
-@triton.jit
-def _sum_squares_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
-    program = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.static_range(BLOCKS):
-        offsets = (program * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-        acc += x * x
-    tl.store(out_ptr + program, tl.sum(acc))
-
-
-def triton_norms(tensors, block=4096, blocks=8):
-    sums = []
-    for t in tensors:
-        n = t.numel()
-        programs = triton.cdiv(n, block * blocks)
-        partial = torch.empty(programs, device=t.device, dtype=torch.float32)
-        _sum_squares_kernel[(programs,)](t, partial, n, BLOCK=block, BLOCKS=blocks, num_warps=8)
-        sums.append(partial.sum())
-    return torch.stack(sums).sqrt()
+def triton_norms(tensors):
+    """Each tensor's norm from the library's sum of squares (one Triton reduction per tensor)."""
+    return torch.stack([sum_of_squares([t]) for t in tensors]).sqrt()
 
 
 def main():
@@ -62,7 +45,6 @@ def main():
         "foreach_norm": lambda: torch._foreach_norm(grads, 2.0, dtype=torch.float32),
         "vector_norm_each": lambda: [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads],
         "triton_sum_squares": lambda: triton_norms(grads),
-        "triton_sum_squares_16k": lambda: triton_norms(grads, 4096, 4),
     }
     for name, fn in variants.items():
         ms = do_bench(fn, warmup=5, rep=50)

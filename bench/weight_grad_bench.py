@@ -35,15 +35,14 @@ def compiled_kernels() -> list:
     from megablocks_utils.moe import weight_grad_kernel as kernels
 
     found = []
-    for fn in (kernels._weight_grad_kernel,):
-        for cache in getattr(fn, "device_caches", {}).values():
-            compiled = cache[0] if isinstance(cache, tuple) else cache
-            for kernel in getattr(compiled, "values", lambda: [])():
-                ttgir = kernel.asm.get("ttgir", "")
-                found.append({"kernel": fn.fn.__name__, "warps": kernel.metadata.num_warps, "stages": kernel.metadata.num_stages,
-                              "shared": kernel.metadata.shared, "regs": getattr(kernel, "n_regs", None),
-                              "spills": getattr(kernel, "n_spills", None), "async_copies": ttgir.count("async_copy"),
-                              "tma": ttgir.count("tma")})
+    for cache in getattr(kernels._weight_grad_kernel, "device_caches", {}).values():
+        compiled = cache[0] if isinstance(cache, tuple) else cache  # the layout differs between Triton versions
+        for kernel in getattr(compiled, "values", lambda: [])():
+            ttgir = kernel.asm.get("ttgir", "")
+            found.append({"warps": kernel.metadata.num_warps, "stages": kernel.metadata.num_stages,
+                          "shared": kernel.metadata.shared, "regs": getattr(kernel, "n_regs", None),
+                          "spills": getattr(kernel, "n_spills", None), "async_copies": ttgir.count("async_copy"),
+                          "tma": ttgir.count("tma")})
     return found
 
 

@@ -128,6 +128,15 @@ def run_ranks(fn, world_size: int, *args):
         pytest.fail("\n".join(messages) or "a rank failed", pytrace=False)
 
 
+def run_in_triton_interpreter(code: str) -> dict:
+    """Run ``code`` (a script that prints one JSON line last) in a child process with Triton's CPU interpreter on
+    (``TRITON_INTERPRET`` is read when Triton is imported, so not in this process); its JSON."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def tmp_dir(tmp_path):
     return str(tmp_path)

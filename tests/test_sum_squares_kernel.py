@@ -4,14 +4,10 @@ and bf16 tensors together; and its refusal of a tensor it cannot read. tests/gpu
 a GPU, where ``grad_norm_and_clip_coef`` uses it."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from conftest import run_in_triton_interpreter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs triton (its CPU interpreter runs the kernel; requirements-test.txt installs it)")
 
@@ -35,10 +31,7 @@ print(json.dumps({"got": float(got), "dtype": str(got.dtype), "shape": list(got.
 
 @pytest.fixture(scope="module")
 def found():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-c", CHECKS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_in_triton_interpreter(CHECKS)
 
 
 def test_sum_of_squares_equals_float64_sums(found):

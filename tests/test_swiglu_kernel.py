@@ -4,14 +4,10 @@ bf16 (a bf16 rounding: 2^-8), relative to the largest gradient, rows and widths 
 contiguous; shapes that do not fit are refused. tests/gpu/test_moe_layer.py checks it on a GPU inside the layer."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from conftest import run_in_triton_interpreter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs triton (its CPU interpreter runs the kernel; requirements-test.txt installs it)")
 
@@ -41,10 +37,7 @@ print(json.dumps(found))
 
 @pytest.fixture(scope="module")
 def found():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-c", CHECKS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_in_triton_interpreter(CHECKS)
 
 
 def test_the_backward_equals_autograds_in_float64(found):
