@@ -174,5 +174,59 @@ def test_only_the_gradients_asked_for(found):
     assert found["grad_subsets"]["top_w_only"] <= 1e-6, found  # relative to its largest entry, as above
 
 
+def _exchanged_rows_through_the_kernels(rank: int, world_size: int, chunks: int) -> None:
+    """One rank of ``test_rows_from_the_all_to_all_reach_the_kernels``: dispatch, exchange and combine wired as the layer
+    wires them at ep = world size, ``fuse`` on (the kernels, under the interpreter) and off (eager)."""
+    import torch
+    import torch.distributed as dist
+
+    from megablocks_utils.moe import dispatch as moe_dispatch
+
+    tokens, k, hidden, experts = 7, 2, 40, 4
+    local = experts // world_size
+    torch.manual_seed(rank)
+    x = torch.randn(tokens, hidden)
+    top_i = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    top_w = torch.rand(tokens, k)
+    # Expert e multiplies its rows by e + 1: a row that reaches the wrong expert, or comes back to the wrong copy, shows.
+    my_scale = torch.arange(rank * local, (rank + 1) * local, dtype=torch.float32) + 1
+
+    def compute(rows, counts):
+        return rows * torch.repeat_interleave(my_scale, counts, output_size=rows.shape[0]).unsqueeze(-1)
+
+    def layer(fuse: bool):
+        xs, ws = x.clone().requires_grad_(), top_w.clone().requires_grad_()
+        edges = [tokens * i // chunks for i in range(chunks + 1)]
+        parts = [(xs[a:b], top_i[a:b], ws[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+        routes = [moe_dispatch.route(i, experts) for _, i, _ in parts]
+        routed = [moe_dispatch.dispatch(p, r, k, fuse) for (p, _, _), r in zip(parts, routes)]
+        outs = moe_dispatch.exchange(routed, [r.counts for r in routes], world_size, local, dist.group.WORLD, compute)
+        y = torch.cat([moe_dispatch.combine(o, r, w, x.dtype, fuse) for o, r, (_, _, w) in zip(outs, routes, parts)])
+        dy = torch.linspace(-1, 1, y.numel()).view_as(y)
+        return (y.detach(), *torch.autograd.grad(y, (xs, ws), dy)), dy
+
+    (y, d_x, d_w), dy = layer(fuse=True)
+    (y_eager, d_x_eager, d_w_eager), _ = layer(fuse=False)
+    factor = (top_i + 1).float()  # each copy's expert scale
+    expected = ((top_w * factor).unsqueeze(-1) * x.unsqueeze(1)).sum(1)
+    assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5), (y - expected).abs().max()
+    assert torch.allclose(d_x, (top_w * factor).sum(1, keepdim=True) * dy, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(d_w, factor * (dy @ x.T).diagonal().unsqueeze(-1), rtol=1e-5, atol=1e-5)
+    for name, got, eager in (("y", y, y_eager), ("d_x", d_x, d_x_eager), ("d_w", d_w, d_w_eager)):
+        assert torch.allclose(got, eager, rtol=1e-5, atol=1e-5), (name, (got - eager).abs().max())
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_rows_from_the_all_to_all_reach_the_kernels(monkeypatch, chunks):
+    """At ep 2 (two gloo ranks) the rows the all-to-all brings back go straight into the combine's kernel. They arrive
+    as a collective's result whose storage is empty until waited on: the kernel read address 0 (an illegal memory
+    access on GPUs, an error here). Through the kernels, whole or in chunks, each token gets the weighted sum of its
+    experts' outputs, and x and top_w the gradients that sum implies, as the eager path gives them."""
+    from tests.conftest import run_ranks
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned ranks when they import Triton
+    run_ranks(_exchanged_rows_through_the_kernels, 2, chunks)
+
+
 if __name__ == "__main__":
     print(json.dumps(measure()))
