@@ -1,9 +1,10 @@
 """Where a training step's GPU time goes, by part of the model, in steady state (after warm-up and compiles).
 
-    python bench/profile_steps.py --shape qwen3_30b_a3b --layers 12 [--data synthetic|chat] [--wait 6 --active 3]
+    python bench/profile_steps.py --shape qwen3_30b_a3b --layers 12 [--data synthetic|chat] [--wait 6 --active 3] [--ep N]
 
 Writes the random-weight checkpoint of ``--shape`` (bench/real_data.py's), then runs train_fsdp2.py at its
-defaults on one GPU under torch.profiler, recording only optimizer steps ``wait+1 .. wait+active`` (a global
+defaults on one GPU (``--ep N``: on N GPUs at ep_size N, each rank its own rows, as bench/real_data.py --ep) under
+torch.profiler, recording only optimizer steps ``wait+1 .. wait+active`` (a global
 optimizer step hook advances the profiler, so the script needs no change). Each kernel's time goes to the
 operator that launched it, and each operator to a part (``PARTS``): expert GEMMs, dense GEMMs, attention,
 permute/combine, routing, casts and copies, dispatch bookkeeping, compiled elementwise (norms, rotary, SwiGLU),
@@ -79,7 +80,8 @@ def inner(args, script_args: list[str]) -> None:
     window = {"times": []}
 
     def step_hook(optimizer, *_):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():  # --shrink runs on CPU too
+            torch.cuda.synchronize()
         window["times"].append(time.perf_counter())
         prof.step()
         if len(window["times"]) == args.wait + 1 + args.active + 1:  # the last profiled step is done
@@ -281,16 +283,16 @@ def report(args, prof, times: list[float]) -> None:
         busy += us
     steps = args.active
     record = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "shape": args.shape, "layers": args.layers, "data": args.data, "routing": args.routing, "profiled_steps": steps,
+              "ep": args.ep, "rank": int(os.environ.get("RANK", "0")), "shape": args.shape, "layers": args.layers, "data": args.data, "routing": args.routing, "profiled_steps": steps,
               "wall_s_per_step": [round(w, 4) for w in wall], "gpu_busy_s_per_step": busy / 1e6 / steps,
               "parts_s_per_step": {k: v / 1e6 / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
               "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]}}
     if args.trace:
         prof.export_chrome_trace(args.trace)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a") as f:
+    with open(args.out, "a") as f:  # one line per rank: at ep > 1 each rank's own profile (its collectives wait for the others)
         f.write(json.dumps(record) + "\n")
-    print(render(record), flush=True)
+    print(f"rank {record['rank']} of {args.ep}: " + render(record), flush=True)
 
 
 def render(record: dict) -> str:
@@ -330,6 +332,7 @@ def main() -> None:
     p.add_argument("--cuda_graphs", default="false",
                    help="train_fsdp2.py's cuda_graphs (default false: replayed graphs hide which operator launched a kernel, so "
                         "the parts table and --phases need the micro-steps launched from Python; auto: the default run's GPU timeline)")
+    p.add_argument("--ep", type=int, default=1, help="GPUs, ep_size = N (each rank profiles itself; one record per rank)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args, script_args = p.parse_known_args()
     if args.inner:  # this parser took --cuda_graphs: hand it on to train_fsdp2.py
@@ -346,9 +349,9 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
     steps = args.wait + 1 + args.active + 2  # one more than profiled: the run stops itself after the profile
-    data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps)
+    data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps * args.ep)
     out_dir = os.path.join(args.work, "run")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", os.path.abspath(__file__), "--inner",
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", os.path.abspath(__file__), "--inner", "--ep", str(args.ep),
                "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--routing", args.routing, "--wait", str(args.wait),
                "--active", str(args.active), "--top", str(args.top), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
                *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),
@@ -357,7 +360,7 @@ def main() -> None:
                "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", out_dir, "--overwrite_output_dir", "true",
                "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),
                "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5",
-               "--max_steps", str(steps), "--cuda_graphs", args.cuda_graphs]
+               "--max_steps", str(steps), "--cuda_graphs", args.cuda_graphs, *(["--ep_size", str(args.ep)] if args.ep > 1 else [])]
     subprocess.run(command, cwd=ROOT, check=True)
 
 
