@@ -4,7 +4,9 @@ Each case launches the script on the embedded tiny Mixtral, 20 steps (4 rows x 2
 the per-step loss and gradient norm of metrics.jsonl. The runs of a test start together: they are small.
 Tolerances: fp32 1e-5 relative (the CPU suite's equality bound); bf16 2e-3 on the loss, half the bf16 unit roundoff
 2^-8: two bf16 runs that round at different points drift as near-tie routing decisions flip (measured 5.3e-4 and 1.0e-3
-after 20 steps); their gradient norm is no criterion (one routing flip at a gradient spike moved it 2e-1).
+after 20 steps); their gradient norm is no criterion (one routing flip at a gradient spike moved it 2e-1). Across
+meshes (ep 2 against ep 1) two bf16 runs drifted 1.2e-2 apart at a spike both had, so there each bf16 run is held to
+its own mesh's fp32 run.
 """
 
 import pytest
@@ -17,16 +19,21 @@ COMMON = ("--max_steps", "20", "--per_device_train_batch_size", "4", "--gradient
 
 @gpus(2)
 def test_ep2_equals_ep1_dp2(tiny_model_dir, tmp_path):
-    """Experts split over 2 GPUs against experts replicated (ep = 1, dp = 2), same global batch (measured on 2 H200s:
-    fp32 loss 2.1e-8, grad norm 5.7e-7; bf16 loss 1.8e-4)."""
+    """Experts split over 2 GPUs against experts replicated (ep = 1, dp = 2), same global batch: fp32 equal to 1e-5
+    (measured on 2 H200s: loss 1.9e-7, 2026-11-27). In bf16, ep 2 as close to its fp32 run as ep 1 is to its own (1.5x, as
+    the other bf16 checks): the two bf16 runs are no criterion for each other, since both drift from the fp32 run as
+    bf16 training does (2.1e-2 and 2.1e-2 at this seed's step-10 spike, where they are 1.2e-2 apart; seed 1: 6.2e-4 and
+    4.6e-4 from fp32, 2.0e-4 apart; bench/ep_parity.py on 2 H200s, 2026-11-27)."""
     runs = {f"{dtype}_ep{ep}": (dtype, ep) for dtype in ("fp32", "bf16") for ep in (2, 1)}
     out = {name: str(tmp_path / name) for name in runs}
     launch_together({name: train_fsdp2(2, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, "--dtype", dtype,
                                        "--ep_size", str(ep)) for name, (dtype, ep) in runs.items()})
-    fp32 = metrics(out["fp32_ep2"]), metrics(out["fp32_ep1"])
-    assert worst_relative(*fp32, "loss") <= 1e-5
-    assert worst_relative(*fp32, "grad_norm") <= 1e-5
-    assert worst_relative(metrics(out["bf16_ep2"]), metrics(out["bf16_ep1"]), "loss") <= 2e-3
+    found = {name: metrics(path) for name, path in out.items()}
+    assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "loss") <= 1e-5
+    assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "grad_norm") <= 1e-5
+    ep2_from_fp32 = worst_relative(found["bf16_ep2"], found["fp32_ep2"], "loss")
+    ep1_from_fp32 = worst_relative(found["bf16_ep1"], found["fp32_ep1"], "loss")
+    assert ep2_from_fp32 <= 1.5 * ep1_from_fp32 + 1e-4, (ep2_from_fp32, ep1_from_fp32)
 
 
 @pytest.fixture(scope="module")
