@@ -137,6 +137,27 @@ def test_chat_data_needs_a_chat_template(tmp_path, tokenizer):
         build_dataset(write_jsonl(tmp_path / "c.jsonl", [CHAT]), plain, 256, source="my-model")
 
 
+def test_an_unknown_chat_role_names_the_record_and_the_role(tmp_path, tokenizer):
+    """A typo in a role stops the run (it used to train silently); system, user, assistant, tool and the roles the
+    template itself names load."""
+    tool = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "Sunny."},
+                         {"role": "assistant", "content": "It is sunny."}]}
+    bot = {"messages": [{"role": "bot", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]}
+    assert len(build_dataset(write_jsonl(tmp_path / "ok.jsonl", [CHAT, tool]), tokenizer, 256)[0]) == 2
+    with pytest.raises(DataError, match=r"bad\.jsonl: record 2 message 0 has role 'bot'; roles are system, user, "
+                       r"assistant, tool, or one the chat template of my-model names; fix the record"):
+        build_dataset(write_jsonl(tmp_path / "bad.jsonl", [CHAT, tool, bot]), tokenizer, 256, source="my-model")
+
+    own = copy.deepcopy(tokenizer)  # a template with a role of its own, as Llama 3.1's 'ipython'
+    own.chat_template = tokenizer.chat_template.replace("{% else %}", "{% elif message['role'] == 'ipython' %}"
+                                                        "{{ message['content'] }}<|im_end|>\n{% else %}")
+    ipython = {"messages": [{"role": "ipython", "content": "42"}, {"role": "assistant", "content": "42."}]}
+    assert len(build_dataset(write_jsonl(tmp_path / "own.jsonl", [ipython]), own, 256)[0]) == 1
+    typo = {"messages": [{"role": "User", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
+    with pytest.raises(DataError, match=r"record 0 message 0 has role 'User' \(did you mean 'user'\?\)"):
+        build_dataset(write_jsonl(tmp_path / "typo.jsonl", [typo]), own, 256)
+
+
 def test_json_jsonl_parquet_and_save_to_disk_give_the_same_samples(tmp_path, tokenizer):
     from datasets import Dataset, DatasetDict
 

@@ -5,7 +5,7 @@ Formats, detected from the first record's fields (every record must then have th
 - alpaca: ``{instruction, input?, output}``, formatted with the standard alpaca prompt (``PROMPT_*``);
   loss on the output.
 - chat: ``{messages: [{role, content}, ...]}``, rendered with the tokenizer's chat template; loss on the
-  assistant turns only.
+  assistant turns only. Roles are system, user, assistant, tool, or a name the template quotes (``template_roles``).
 - prompt/completion: ``{prompt, completion}``; loss on the completion.
 - text: ``{text}``; loss on every token.
 
@@ -13,6 +13,7 @@ Files: a JSON list, JSONL (one record per line), parquet (a file or a directory 
 directory written by ``datasets``' ``save_to_disk``.
 """
 
+import difflib
 import glob
 import json
 import os
@@ -44,6 +45,9 @@ FORMATS = {
     "prompt_completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
 }
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 FILE_KINDS = "a JSON list, JSONL, parquet, or a directory written by datasets' save_to_disk"
@@ -286,6 +290,30 @@ def check_tokenizer_for(fmt: str, tokenizer, source: str) -> None:
                         "one to its tokenizer_config.json (chat_template), or use alpaca, prompt/completion or text records")
 
 
+def template_roles(tokenizer) -> set[str]:
+    """The roles chat records may use: the standard four and every quoted name in the tokenizer's chat template.
+
+    A template with roles of its own (Llama 3.1's 'ipython', gpt-oss's 'developer') compares the role with a quoted
+    name; every quoted name is the simple superset of those. It lets through a few field names ('content'), never a
+    name the template does not mention ('bot', 'User'), which a template would render as-is or drop, silently."""
+    template = tokenizer.chat_template
+    text = "\n".join(template.values()) if isinstance(template, dict) else template  # a tokenizer may name several
+    quoted = re.finditer(r"""(['"])([A-Za-z_][\w-]*)\1""", text)
+    return {*CHAT_ROLES, *(m.group(2) for m in quoted)}
+
+
+def check_chat_roles(records: list, tokenizer, path: str, source: str) -> None:
+    """Here, not in ``check_records``: a template's own roles are known only once the tokenizer is."""
+    known = template_roles(tokenizer)
+    for i, record in enumerate(records):
+        for j, m in enumerate(record["messages"]):
+            if m["role"] not in known:
+                close = difflib.get_close_matches(m["role"].lower(), CHAT_ROLES, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise DataError(f"{path}: record {i} message {j} has role {m['role']!r}{hint}; roles are "
+                                f"{', '.join(CHAT_ROLES)}, or one the chat template of {source} names; fix the record")
+
+
 def split_eval(records: list, fraction: float, seed: int) -> tuple[list, list]:
     """A fixed, seeded held-out share of the records: (train, eval)."""
     if fraction <= 0:
@@ -316,6 +344,8 @@ def build_dataset(path: str, tokenizer, max_length: int, *, eval_split: float = 
     """(train dataset, dropped count, eval records) from a data path: read, check, split, tokenize."""
     records, fmt = read_records(path)
     check_tokenizer_for(fmt, tokenizer, source)
+    if fmt == "chat":
+        check_chat_roles(records, tokenizer, path, source)
     train, held = split_eval(records, eval_split, seed)
     dataset, dropped = tokenize_records(train, fmt, tokenizer, max_length, path)
     return dataset, dropped, (held, fmt)
