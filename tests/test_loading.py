@@ -101,8 +101,30 @@ def check_every_architecture_loads(rank, world, paths):
     for arch, path in paths.items():
         try:
             check_local_experts(rank, world, world, path, "hub")
+            # In bf16 (adamw_bf16, LoRA's frozen weights) every parameter is bf16: transformers 5.24 keeps DeepSeek-V2's
+            # router weights in fp32, which adamw_bf16 refused.
+            model, _ = load_model(path, world, device="cpu", dtype=torch.bfloat16)
+            other = {n: p.dtype for n, p in model.named_parameters() if p.dtype != torch.bfloat16}
+            assert not other, f"parameters not in bf16: {other}"
         except AssertionError as e:
             raise AssertionError(f"{arch}: {e}") from e
+
+
+def test_weights_transformers_keeps_in_fp32_take_the_asked_dtype():
+    """``one_dtype``: a weight left in fp32 (as transformers keeps a router with ``_keep_in_fp32_modules_strict``) takes
+    the model's dtype and is named; buffers (rotary frequencies) keep theirs."""
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.model.build import one_dtype
+
+    model = AutoModelForCausalLM.from_config(tiny_moe_config("deepseek_v2"), dtype=torch.bfloat16)
+    router = model.model.layers[1].mlp.gate
+    router.weight.data = router.weight.data.float()
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    cast = one_dtype(model, torch.bfloat16)  # from transformers 5.24 also layer 2's router, kept in fp32 by transformers
+    assert "model.layers.1.mlp.gate.weight" in cast and all(name.endswith("mlp.gate.weight") for name in cast), cast
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert router.weight.requires_grad and {n: b.dtype for n, b in model.named_buffers()} == buffers
 
 
 def test_every_architecture_loads_from_hub_layout(tmp_path):

@@ -262,6 +262,23 @@ def shard_moe(
     return mesh
 
 
+def one_dtype(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Every floating-point parameter of ``model`` in ``dtype``; the names of those cast.
+
+    transformers keeps some weights in fp32 whatever dtype is asked (``_keep_in_fp32_modules_strict``: DeepSeek-V2's
+    router weights from transformers 5.24), where the optimizers here update one dtype (``optim.param_dtype``). The rule:
+    such weights take the asked dtype, as transformers up to 5.23 built them, and the routers that transformers computes
+    in fp32 still compute in fp32 here whatever their weight's dtype (``router.py`` upcasts). Buffers (rotary
+    frequencies) keep their dtype."""
+    cast = []
+    for module_name, module in model.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != dtype:
+                setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+                cast.append(f"{module_name}.{name}" if module_name else name)
+    return cast
+
+
 def load_model(
     model_dir: str,
     mesh: MoEMesh | int,
@@ -275,7 +292,8 @@ def load_model(
     compile_elementwise: bool = True,
     overlap_chunks: int = 1,
 ) -> tuple[nn.Module, MoEMesh]:
-    """Build the model skeleton on meta (no expert memory), then ``shard_moe`` it from ``model_dir``.
+    """Build the model skeleton on meta (no expert memory) with every parameter in ``dtype`` (``one_dtype``), then
+    ``shard_moe`` it from ``model_dir``.
 
     ``mesh``: the script's ``build_mesh(...)`` (or an ep size, see ``shard_moe``); ``timeout``: for a
     mesh built here (see ``build_mesh``); ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the
@@ -292,6 +310,7 @@ def load_model(
         attn_implementation = choose_attention(attn_implementation, config, device_type)[0]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    one_dtype(model, dtype)
     mesh = shard_moe(
         model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout,
         force_loop=force_loop, compile_elementwise=compile_elementwise, overlap_chunks=overlap_chunks,
