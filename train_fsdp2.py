@@ -35,7 +35,7 @@ finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in
 lora_r = 16  # LoRA rank of each adapter
 lora_alpha = 32  # LoRA scale: adapters add (alpha / r) * B A
 lora_dropout = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
-lora_target_modules = "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj"  # PEFT names, comma-separated: linear layers and the experts' fused weights (never routers)
+lora_target_modules = "auto"  # "auto" (the model's attention projections and routed experts, docs/lora.md) or PEFT names, comma-separated (never routers)
 merge_lora = False  # finetuning="lora": also write the merged model in hub layout to output_dir/merged
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated

@@ -197,7 +197,8 @@ def test_targets_split_into_peft_modules_and_parameters():
     assert found.target_modules == ("q_proj", "down_proj") and found.target_parameters == ("down_proj", "experts.gate_up_proj")
     assert "model.layers.0.mlp.shared_expert.down_proj" in found.linears and "model.layers.1.mlp.down_proj" in found.linears
     assert found.experts == {f"model.layers.{i}.mlp.experts": ("gate_up_proj", "down_proj") for i in (0, 2)}
-    assert check_lora(tiny_moe_config("mixtral"), **LORA).targets == tuple(DEFAULT_TARGETS.split(","))
+    assert check_lora(tiny_moe_config("mixtral"), **LORA).targets == ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj",
+                                                                      "experts.down_proj")  # auto, resolved
     assert check_lora(tiny_moe_config("mixtral"), **{**LORA, "finetuning": "full"}) is None
 
 

@@ -3,7 +3,9 @@
 Targets (``lora_target_modules``) are PEFT's names, matched as PEFT matches them (a module or parameter whose
 name is the target or ends in ".target"): linear layers (``q_proj``, ..., PEFT's ``target_modules``) and the
 experts' fused 3-D weights (``experts.gate_up_proj``, ``experts.down_proj``, PEFT's ``target_parameters``).
-Routers, norms and embeddings take no adapter.
+Routers, norms and embeddings take no adapter. ``auto`` (the default, alone or in a list) stands for the loaded model's
+attention projections and routed experts (``auto_targets``); it is resolved before anything is built or saved, so
+the run prints and PEFT's config lists the names themselves.
 
 Where the adapters live:
 - a targeted ``nn.Linear`` gets children ``lora_A`` (Linear in -> r) and ``lora_B`` (Linear r -> out) and a forward
@@ -34,10 +36,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from megablocks_utils.config.inputs import InputError
-from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.model.architectures import decoder_layers, spec_for
 from megablocks_utils.moe.lora import PROJECTIONS, ExpertLoRA, stacked_adapter
 
-DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj"
+DEFAULT_TARGETS = "auto"  # the model's attention projections and routed experts: auto_targets
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
@@ -68,7 +70,7 @@ def parse_targets(text: str) -> tuple[str, ...]:
     """``lora_target_modules`` ("q_proj,v_proj,...") as a tuple of names."""
     names = tuple(dict.fromkeys(n.strip() for n in str(text).split(",") if n.strip()))
     if not names:
-        raise InputError(f"--lora_target_modules is empty; give PEFT names separated by commas, e.g. {DEFAULT_TARGETS}")
+        raise InputError("--lora_target_modules is empty; give auto or PEFT names separated by commas, e.g. q_proj,v_proj")
     return names
 
 
@@ -83,10 +85,27 @@ def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if n.endswith(suffix) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)}
 
 
-def find_targets(model: nn.Module, targets: tuple[str, ...]) -> LoraTargets:
-    """Match ``targets`` in ``model`` (plain transformers or expert-parallel: the names are the same); a name that
-    matches nothing, or only modules that take no adapter, is an InputError naming what can be adapted."""
+def auto_targets(model: nn.Module) -> tuple[str, ...]:
+    """What ``auto`` adapts in ``model``: every linear layer of each decoder layer's attention, by its leaf name
+    (q_proj, k_proj, v_proj, o_proj; MLA's q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, or q_proj without
+    the q low-rank path), and the routed experts' fused weights. Not the routers, shared experts or dense MLPs."""
     spec = spec_for(model.config)
+    attention = [n.rsplit(".", 1)[-1] for layer in decoder_layers(model) for n, m in layer.self_attn.named_modules()
+                 if isinstance(m, nn.Linear)]
+    return tuple(dict.fromkeys(attention)) + tuple(f"{spec.experts_attr}.{p}" for p in PROJECTIONS)
+
+
+def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """``targets`` with ``auto`` replaced by ``auto_targets(model)``."""
+    return tuple(dict.fromkeys(n for t in targets for n in (auto_targets(model) if t == "auto" else (t,))))
+
+
+def find_targets(model: nn.Module, targets: tuple[str, ...]) -> LoraTargets:
+    """Match ``targets`` (``auto`` resolved) in ``model`` (plain transformers or expert-parallel: the names are the
+    same); a name that matches nothing, or only modules that take no adapter, is an InputError naming what can be
+    adapted."""
+    spec = spec_for(model.config)
+    targets = resolve_targets(model, targets)
     experts = _experts_modules(model)
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not any(n.startswith(e + ".") for e in experts)]
     adaptable = sorted({n.rsplit(".", 1)[-1] for n in linears}) + [f"{spec.experts_attr}.{p}" for p in PROJECTIONS]
@@ -124,7 +143,8 @@ def meta_model(config) -> nn.Module:
 
 def check_lora(config, *, finetuning: str, r: int, alpha: float, dropout: float, target_modules: str, moe_backend: str,
                load_balance_coeff: float, merge_lora: bool) -> LoraSettings | None:
-    """The LoRA settings checked against each other and the model (its config only); None for a full fine-tune."""
+    """The LoRA settings checked against each other and the model (its config only, on the meta device), ``auto``
+    resolved to the model's names; None for a full fine-tune."""
     if finetuning != "lora":
         if merge_lora:
             raise InputError("--merge_lora true needs --finetuning lora (a full fine-tune's final/ is already the whole model)")
@@ -135,8 +155,9 @@ def check_lora(config, *, finetuning: str, r: int, alpha: float, dropout: float,
     if load_balance_coeff > 0:
         raise InputError("--load_balance_coeff trains a routing bias, which a PEFT adapter cannot hold; "
                          "use --load_balance_coeff 0 with --finetuning lora")
-    lora = LoraSettings(r=r, alpha=alpha, dropout=dropout, targets=parse_targets(target_modules))
-    find_targets(meta_model(config), lora.targets)
+    model = meta_model(config)
+    lora = LoraSettings(r=r, alpha=alpha, dropout=dropout, targets=resolve_targets(model, parse_targets(target_modules)))
+    find_targets(model, lora.targets)
     return lora
 
 

@@ -906,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="lora: weights frozen in bf16, adapters on --lora_target_modules train")
     parser.add_argument("--lora_r", type=int, default=DEFAULTS["lora_r"])
     parser.add_argument("--lora_dropout", type=float, default=DEFAULTS["lora_dropout"])
-    parser.add_argument("--lora_target_modules", default=DEFAULTS["lora_target_modules"], help="PEFT names, comma-separated")
+    parser.add_argument("--lora_target_modules", default=DEFAULTS["lora_target_modules"], help="auto (the attention projections and routed experts) or PEFT names, comma-separated")
     parser.add_argument("--chunked_loss", default=str(DEFAULTS["chunked_loss"]).lower(), help="true or false: the loss over chunks of rows")
     parser.add_argument("--checkpoint_experts", default=str(DEFAULTS["checkpoint_experts"]).lower(),
                         help="true or false: recompute the routed experts of the layers not checkpointed")
