@@ -67,9 +67,7 @@ trainer_defaults = dict(
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
 from megablocks_utils.config.inputs import (  # noqa: E402
-    InputError,
     check_data_and_model,
-    check_ep_size,
     check_output_dir,
     fail,
     fsdp_requested,
@@ -81,9 +79,11 @@ from megablocks_utils.config.settings import (  # noqa: E402
     help_comments,
     parse_settings,
 )
+from megablocks_utils.errors import CheckpointError, InputError, NonFiniteStep  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
+from megablocks_utils.model.loading import load_config  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
-from megablocks_utils.tools.memory import load_config  # noqa: E402
+from megablocks_utils.parallel.mesh import check_ep_size  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
@@ -229,7 +229,6 @@ from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
 )
 from megablocks_utils.train.checkpoint import (  # noqa: E402
     SAVE_ERRORS,
-    CheckpointError,
     copy_model_files,
     stop_if_save_failed,
 )
@@ -237,7 +236,6 @@ from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402
 from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
-    NonFiniteStep,
     NonFiniteSteps,
     where_to_continue,
 )
@@ -274,8 +272,8 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
-# The fit check (megablocks_utils/tools/memory.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.tools.memory import check_fit, estimate_memory  # noqa: E402
+# The fit check (megablocks_utils/train/memory_plan.py), before any weight is read: experts replicated over dp here.
+from megablocks_utils.train.memory_plan import check_fit, estimate_memory  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,

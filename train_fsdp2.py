@@ -78,32 +78,31 @@ gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a sma
 
 # Only light modules before the inputs are checked (transformers and the model come after).
 from megablocks_utils.config.inputs import (  # noqa: E402
-    InputError,
     check_data_and_model,
-    check_dp_replicate,
-    check_ep_size,
     check_output_dir,
     fail,
     resolve_shard_experts,
     stop_together,
 )
 from megablocks_utils.config.settings import parse_settings  # noqa: E402
+from megablocks_utils.errors import CheckpointError, InputError, NonFiniteStep  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.lora import check_lora  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
 )
-from megablocks_utils.tools.memory import (  # noqa: E402
-    check_checkpointed_layers,
-    check_fit,
-    estimate_memory,
-)
+from megablocks_utils.parallel.mesh import check_dp_replicate, check_ep_size  # noqa: E402
 from megablocks_utils.train.cuda_graph import (  # noqa: E402
     DOCUMENT_MULTIPLE,
     MicroStepGraphs,
     graph_blocker,
     resolve_cuda_graphs,
+)
+from megablocks_utils.train.memory_plan import (  # noqa: E402
+    check_checkpointed_layers,
+    check_fit,
+    estimate_memory,
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -166,7 +165,6 @@ from megablocks_utils.parallel.parallelize import (  # noqa: E402
 )
 from megablocks_utils.tools.export import export_hf  # noqa: E402
 from megablocks_utils.train.checkpoint import (  # noqa: E402
-    CheckpointError,
     checkpoint_step,
     complete_checkpoints,
     load_checkpoint,
@@ -177,7 +175,6 @@ from megablocks_utils.train.evaluate import eval_loss  # noqa: E402
 from megablocks_utils.train.loss import install_loss_head  # noqa: E402
 from megablocks_utils.train.metrics import active_params  # noqa: E402
 from megablocks_utils.train.nonfinite import (  # noqa: E402
-    NonFiniteStep,
     NonFiniteSteps,
     where_to_continue,
 )

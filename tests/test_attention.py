@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
 from megablocks_utils.data.packing import pack_dataset
+from megablocks_utils.errors import AttentionChoiceError
 from megablocks_utils.model import attention
 from megablocks_utils.model.attention import (
-    AttentionChoiceError,
     choose_attention,
     varlen_inputs,
 )

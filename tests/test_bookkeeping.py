@@ -21,10 +21,10 @@ from inject_faults import full_disk_write
 from test_bad_input import assert_one_message, run_plain
 from torch.distributed.checkpoint import FileSystemWriter
 
-from megablocks_utils.config.inputs import InputError, check_output_dir
+from megablocks_utils.config.inputs import check_output_dir
+from megablocks_utils.errors import CheckpointError, InputError
 from megablocks_utils.model.loading import check_model_dir
 from megablocks_utils.train.checkpoint import (
-    CheckpointError,
     complete_checkpoints,
     disk_full,
     resolve_resume,

@@ -27,9 +27,9 @@ from megablocks_utils.parallel.activation_checkpointing import (
     _contexts,
     _policy,
     apply_activation_checkpointing,
+    checkpointed_layers,
     parse_activation_checkpointing,
 )
-from megablocks_utils.tools.memory import checkpointed_layers
 
 aten = torch.ops.aten
 MATMULS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.attention import varlen_inputs
 from megablocks_utils.train.cuda_graph import _Captured, _static_batch, graph_blocker, resolve_cuda_graphs, signature
 

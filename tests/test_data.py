@@ -10,7 +10,6 @@ from conftest import ROOT
 from megablocks_utils.data.batches import GlobalBatches
 from megablocks_utils.data.records import (
     PROMPT_NO_INPUT,
-    DataError,
     build_dataset,
     format_prompt,
     read_alpaca,
@@ -21,6 +20,7 @@ from megablocks_utils.data.records import (
     tokenize_record,
     tokenize_text,
 )
+from megablocks_utils.errors import DataError
 from megablocks_utils.train.loss import IGNORE_INDEX
 
 

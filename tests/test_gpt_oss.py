@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_moe_config
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.build import expert_options, load_model
 from megablocks_utils.model.loading import check_model_dir

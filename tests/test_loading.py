@@ -10,7 +10,7 @@ import torch
 from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_config
 
 from megablocks_utils import load_model, spec_for
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.loading import Checkpoint, check_model_dir
 from megablocks_utils.parallel.mesh import check_ep_size
 from megablocks_utils.tools.export import hub_state_dict, write_shards

@@ -21,7 +21,7 @@ from conftest import (
     train_fsdp2,
 )
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.lora import DEFAULT_TARGETS, check_lora
 
 TOL = 1e-5
@@ -222,7 +222,7 @@ def test_fit_check_plans_frozen_weights_and_adapters():
         parse_targets,
         peft_config,
     )
-    from megablocks_utils.tools.memory import estimate_memory
+    from megablocks_utils.train.memory_plan import estimate_memory
 
     config = tiny_moe_config("qwen3_moe")
     plan = dict(world_size=2, ep_size=2, optim="adamw_torch", max_length=64, per_device_train_batch_size=2)
@@ -327,7 +327,8 @@ def test_readme_lora_commands_parse_and_fit():
     from test_settings import BLOCK, FSDP2
 
     from megablocks_utils.config.settings import parse_settings
-    from megablocks_utils.tools.memory import estimate_memory, fit_error, load_config
+    from megablocks_utils.model.loading import load_config
+    from megablocks_utils.train.memory_plan import estimate_memory, fit_error
 
     gpus = {"Qwen3-30B-A3B": ("qwen3-30b-a3b", 141), "Mixtral-8x7B-v0.1": ("mixtral-8x7b", 80)}
     text = open(os.path.join(ROOT, "README.md")).read().split("\n## LoRA on every expert\n", 1)[1].split("\n## ", 1)[0]

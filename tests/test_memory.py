@@ -11,10 +11,13 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, ROOT, tiny_moe_config
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.config.inputs import resolve_shard_experts
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.model.loading import load_config
 from megablocks_utils.tools import memory
-from megablocks_utils.tools.memory import GiB, count_params, estimate_memory, fit_error
+from megablocks_utils.train import memory_plan
+from megablocks_utils.train.memory_plan import GiB, count_params, estimate_memory, fit_error
 
 CONFIGS = os.path.join(ROOT, "tests", "configs")
 MIXTRAL_8X7B = os.path.join(CONFIGS, "mixtral-8x7b")
@@ -32,7 +35,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_match_published_totals(name):
-    counts = count_params(memory.load_config(os.path.join(CONFIGS, name)))
+    counts = count_params(load_config(os.path.join(CONFIGS, name)))
     total, active, rounding = PUBLISHED[name]
     assert abs(counts.total / 1e9 - total) / total < 0.005
     assert abs(counts.active / 1e9 - active) <= rounding + 0.01
@@ -87,7 +90,7 @@ def _tiny(**settings):
 
 
 def test_tiny_counts_by_hand():
-    counts = count_params(memory.load_config(dict(TINY)))
+    counts = count_params(load_config(dict(TINY)))
     assert (counts.dense, counts.expert, counts.total) == (648, 3072, 3720)
     assert counts.active == 648 + 2 * 2 * 384  # two of the four 384-parameter experts in each layer
 
@@ -117,7 +120,7 @@ def test_chunked_loss_holds_one_chunk_of_logits():
     """A micro-batch longer than a chunk holds one chunk's logits (train/loss.py's loss_chunk_rows), not its own."""
     from megablocks_utils.train.loss import loss_chunk_rows
 
-    config = memory.load_config(os.path.join(CONFIGS, "qwen3-30b-a3b"))
+    config = load_config(os.path.join(CONFIGS, "qwen3-30b-a3b"))
     e = estimate_memory(config, world_size=8, max_length=4096, per_device_train_batch_size=1)
     rows = loss_chunk_rows(4096, config.vocab_size)
     assert rows == 2048
@@ -145,7 +148,7 @@ def test_unsharded_experts_stay_per_ep_rank():
         e = estimate_memory(MIXTRAL_8X7B, world_size=world, ep_size=8, shard_experts=False, max_length=256, per_device_train_batch_size=1)
         return e.params + e.grads + e.optimizer_state
 
-    counts = count_params(memory.load_config(MIXTRAL_8X7B))
+    counts = count_params(load_config(MIXTRAL_8X7B))
     assert state(16) == pytest.approx(16 * (counts.dense / 16 + counts.expert / 8))
 
 
@@ -159,10 +162,10 @@ def test_optimizers_bytes_per_parameter():
 
 
 def test_checkpointing_keeps_less_and_activations_grow_with_tokens():
-    config = memory.load_config(MIXTRAL_8X7B)
-    none, selective, full = (memory.activation_bytes(config, 4096, m) for m in ("none", "selective", "full"))
+    config = load_config(MIXTRAL_8X7B)
+    none, selective, full = (memory_plan.activation_bytes(config, 4096, m) for m in ("none", "selective", "full"))
     assert full < selective < none
-    assert memory.activation_bytes(config, 8192, "none") == pytest.approx(2 * none)
+    assert memory_plan.activation_bytes(config, 8192, "none") == pytest.approx(2 * none)
     # Without checkpointing a Mixtral layer keeps at least its experts' rows in, gate_up and SwiGLU outputs
     # (2 copies of each token: 2 * (4096 + 2*14336 + 14336) bf16 elements), for all 32 layers.
     assert none > 32 * 4096 * 2 * 2 * (4096 + 3 * 14336)
@@ -173,9 +176,9 @@ def test_checkpointing_keeps_less_and_activations_grow_with_tokens():
 def test_checkpointing_a_count_of_layers_keeps_the_rest():
     """Each layer left out of checkpointing keeps its full activations: the estimate moves by the same
     step per layer, from full on all 32 to none; a count of 0 is none, one above the model is refused."""
-    config = memory.load_config(MIXTRAL_8X7B)
-    act = {k: memory.activation_bytes(config, 4096, "full", k) for k in (-1, 32, 24, 16, 8, 0)}
-    none = memory.activation_bytes(config, 4096, "none")
+    config = load_config(MIXTRAL_8X7B)
+    act = {k: memory_plan.activation_bytes(config, 4096, "full", k) for k in (-1, 32, 24, 16, 8, 0)}
+    none = memory_plan.activation_bytes(config, 4096, "none")
     assert act[-1] == act[32] < act[24] < act[16] < act[8] < none == act[0]
     assert act[8] - act[16] == pytest.approx(act[16] - act[24]) == pytest.approx(act[24] - act[32])
     # A layer's step: its "none" activations (at least its experts' rows in, gate_up and SwiGLU outputs, as in
@@ -201,30 +204,30 @@ def test_fit_error_offers_the_fewest_checkpointed_layers_that_fit():
     count = int(re.search(r"--activation_checkpointing full --activation_checkpointing_layers (\d+)", message).group(1))
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count).total <= budget
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count - 1).total > budget
-    assert "checkpointing full on" in memory._settings_text(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count))
+    assert "checkpointing full on" in memory_plan._settings_text(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count))
 
 
 def test_checkpointing_hint_names_how_few_layers_are_enough():
     budget = 139.8 * GiB
     every = _h200x4(activation_checkpointing="full")
-    hint = memory.checkpointing_hint(every, budget)
+    hint = memory_plan.checkpointing_hint(every, budget)
     count = int(re.search(r"--activation_checkpointing_layers (\d+)", hint).group(1))
     assert 0 < count < 32
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count).total <= 0.9 * budget
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count - 1).total > 0.9 * budget
-    assert memory.checkpointing_hint(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count), budget) is None
-    assert memory.checkpointing_hint(_h200x4(), budget) is None  # no checkpointing: nothing to leave out
-    assert memory.checkpointing_hint(every, 80 * GiB) is None  # needs every layer there (and more)
-    roomy = memory.checkpointing_hint(every, 200 * GiB)
+    assert memory_plan.checkpointing_hint(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count), budget) is None
+    assert memory_plan.checkpointing_hint(_h200x4(), budget) is None  # no checkpointing: nothing to leave out
+    assert memory_plan.checkpointing_hint(every, 80 * GiB) is None  # needs every layer there (and more)
+    roomy = memory_plan.checkpointing_hint(every, 200 * GiB)
     assert roomy.startswith("activation checkpointing: none would fit") and _h200x4().total <= 0.9 * 200 * GiB
 
 
 def test_resolve_shard_experts():
-    assert memory.resolve_shard_experts("auto", 16, 8) is True  # across nodes
-    assert memory.resolve_shard_experts("false", 16, 8) is False
-    assert memory.resolve_shard_experts(True, 8, 8) is True
+    assert resolve_shard_experts("auto", 16, 8) is True  # across nodes
+    assert resolve_shard_experts("false", 16, 8) is False
+    assert resolve_shard_experts(True, 8, 8) is True
     with pytest.raises(InputError, match="shard_experts"):
-        memory.resolve_shard_experts("maybe", 8, 8)
+        resolve_shard_experts("maybe", 8, 8)
 
 
 def test_bad_plans_name_the_fix():
@@ -318,9 +321,9 @@ def test_cli_defaults_are_train_fsdp2s():
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Constant)
     }
     compared = 0
-    for name, default in memory.DEFAULTS.items():
+    for name, default in memory_plan.DEFAULTS.items():
         if name in script:
-            value = memory.checkpointing_mode(script[name]) if name == "activation_checkpointing" else script[name]
+            value = memory_plan.checkpointing_mode(script[name]) if name == "activation_checkpointing" else script[name]
             assert default == value, name
             compared += 1
     assert compared >= 4
@@ -368,7 +371,7 @@ def test_expert_gradients_live_across_micro_steps():
     def during_backward(e):
         return e.total - e.overhead - e.params - e.optimizer_state - e.gathered_weights - e.gathered_grads
 
-    counts = count_params(memory.load_config(dict(TINY)))
+    counts = count_params(load_config(dict(TINY)))
     for plan in (dict(), dict(world_size=4), dict(world_size=4, shard_experts=True, dp_replicate=2)):
         e = _tiny(gradient_accumulation_steps=2, **plan)
         expert_grads = 4 * counts.expert / (2 * (e.plan.world_size // 2 // e.plan.dp_replicate))  # fp32, over ep x dp shards
@@ -395,14 +398,14 @@ def _qwen3_lora_one_gpu(**settings):
 def test_checkpoint_experts_keeps_less_than_none_and_more_than_full():
     """Recomputing the routed experts drops their rows, gate_up and SwiGLU outputs and the outputs the weighted sum
     keeps (some 100 of a Qwen3 layer's 163 KB per token, measured) and nothing of attention's."""
-    config = memory.load_config(QWEN3)
-    none, full = memory.activation_bytes(config, 4096, "none"), memory.activation_bytes(config, 4096, "full")
-    experts = memory.activation_bytes(config, 4096, "none", -1, experts=True)
+    config = load_config(QWEN3)
+    none, full = memory_plan.activation_bytes(config, 4096, "none"), memory_plan.activation_bytes(config, 4096, "full")
+    experts = memory_plan.activation_bytes(config, 4096, "none", -1, experts=True)
     assert full < experts < none
     per_layer_token = (none - experts) / 48 / 4096
     assert 80e3 < per_layer_token < 140e3, per_layer_token
     # beside full checkpointing on some layers, only the others' experts are recomputed
-    mixed = memory.activation_bytes(config, 4096, "full", 24, True)
+    mixed = memory_plan.activation_bytes(config, 4096, "full", 24, True)
     assert full < mixed < experts
 
 
@@ -425,9 +428,9 @@ def test_fit_check_offers_checkpoint_experts_where_it_fits_for_less_work():
     assert "--checkpoint_experts true (" in message, message
     assert _qwen3_lora_one_gpu(checkpoint_experts=True).total <= 95 * GiB
     full = _qwen3_lora_one_gpu(activation_checkpointing="full")
-    hint = memory.checkpointing_hint(full, 100 * GiB)
+    hint = memory_plan.checkpointing_hint(full, 100 * GiB)
     assert hint.startswith("activation checkpointing: --activation_checkpointing none --checkpoint_experts true would fit"), hint
-    assert memory._recompute_flops(full, activation_checkpointing="none", checkpoint_experts=True) < memory._recompute_flops(full)
-    assert "the routed experts recomputed" in memory._settings_text(_qwen3_lora_one_gpu(checkpoint_experts=True))
-    already = memory.checkpointing_hint(_qwen3_lora_one_gpu(activation_checkpointing="full", checkpoint_experts=True), 100 * GiB)
+    assert memory_plan._recompute_flops(full, activation_checkpointing="none", checkpoint_experts=True) < memory_plan._recompute_flops(full)
+    assert "the routed experts recomputed" in memory_plan._settings_text(_qwen3_lora_one_gpu(checkpoint_experts=True))
+    already = memory_plan.checkpointing_hint(_qwen3_lora_one_gpu(activation_checkpointing="full", checkpoint_experts=True), 100 * GiB)
     assert already is None or "--checkpoint_experts" not in already  # not offered twice

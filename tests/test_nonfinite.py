@@ -13,7 +13,8 @@ import torch
 from conftest import ROOT, every_rank_failed, free_port, read_jsonl
 
 from megablocks_utils.train.metrics import JsonlWriter, write_summary
-from megablocks_utils.train.nonfinite import NonFiniteStep, NonFiniteSteps
+from megablocks_utils.errors import NonFiniteStep
+from megablocks_utils.train.nonfinite import NonFiniteSteps
 
 NAN = float("nan")
 # 4 short steps (one micro-batch of 2 samples per rank), a checkpoint after each.

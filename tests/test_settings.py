@@ -18,11 +18,11 @@ from megablocks_utils.config.settings import (
     RULES,
     Choice,
     Number,
-    SettingsError,
     check_values,
     help_comments,
     parse_settings,
 )
+from megablocks_utils.errors import SettingsError
 
 FSDP2 = os.path.join(ROOT, "train_fsdp2.py")
 FSDP1 = os.path.join(ROOT, "train_fsdp1.py")
@@ -175,7 +175,7 @@ def test_config_keys_for_another_parser_come_before_its_command_line_flags(tmp_p
 def test_missing_tensorboard_is_one_line(monkeypatch):
     import importlib.util
 
-    from megablocks_utils.config.inputs import InputError
+    from megablocks_utils.errors import InputError
     from megablocks_utils.train.tensorboard_writer import require_tensorboard
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -221,7 +221,7 @@ def test_one_parser_reads_true_false_words_for_every_setting():
     from megablocks_utils.parallel.activation_checkpointing import (
         parse_activation_checkpointing,
     )
-    from megablocks_utils.tools.memory import checkpointing_mode
+    from megablocks_utils.train.memory_plan import checkpointing_mode
 
     for word, value in [("1", True), ("True", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
                         ("No", False), ("off", False)]:

@@ -17,7 +17,7 @@ TIMEOUT_S = 12  # small, yet well above any wait of a healthy run on a busy 2-co
 
 def check_mesh_groups_time_out(rank, world_size, timeout_s):
     """On a (dp=2, ep=2) mesh the dp and ep groups are groups of their own: they must time out too."""
-    # The package imports its modules lazily: this loads mesh.py and inputs.py, not transformers (which
+    # The package imports its modules lazily: this loads mesh.py and errors.py, not transformers (which
     # would cost each of the 4 ranks ~20 s on 2 cores).
     from megablocks_utils.parallel.mesh import build_mesh
 

@@ -1,8 +1,9 @@
 """Bad input: check a run's inputs before anything heavy runs, and stop every rank with one message.
 
-The checks (data file, model directory, output directory, ep_size against the world size) read
-only small files, so they run on every rank before the process group, the model or transformers'
-heavy modules: each rank reaches the same verdict from the same files, rank 0 prints it, all exit.
+The checks (data file, model directory, output directory; ep_size against the world size is
+``parallel/mesh.py``'s) read only small files, so they run on every rank before the process group,
+the model or transformers' heavy modules: each rank reaches the same verdict from the same files,
+rank 0 prints it, all exit.
 What can only fail later, possibly on some ranks only (a rank reads only its own experts), runs
 inside ``stop_together``, where the ranks compare notes before anyone moves on.
 """
@@ -16,10 +17,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-
-class InputError(ValueError):
-    """Something the user gave (a file, a directory, a setting) that cannot work, stated with the fix."""
-
+from megablocks_utils.errors import InputError
 
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -84,40 +82,6 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_ep_size(ep_size: int, world_size: int, num_experts: int | None = None, experts_name: str = "num_local_experts") -> int:
-    """The expert-parallel degree (``ep_size``, 0 = all ranks), or an InputError naming the valid choices."""
-    if ep_size < 0:
-        raise InputError(f"ep_size={ep_size} is negative; use 0 (all {world_size} processes) or one of {divisors(world_size)}")
-    ep = ep_size or world_size
-    given = f"ep_size={ep}" if ep_size else f"ep_size=0 (all {world_size} processes)"
-    if world_size % ep != 0:
-        raise InputError(
-            f"world_size={world_size} is not divisible by {given}; choose ep_size in {divisors(world_size)} "
-            f"for {world_size} processes, or launch a multiple of {ep} processes"
-        )
-    if num_experts is not None and num_experts % ep != 0:
-        valid = [d for d in divisors(num_experts) if world_size % d == 0]
-        raise InputError(
-            f"{experts_name}={num_experts} is not divisible by {given}; choose ep_size in {valid} "
-            f"(each rank holds whole experts, and ep_size must divide the {world_size} processes too)"
-        )
-    return ep
-
-
-def check_dp_replicate(dp_replicate: int, dp: int, ep: int) -> int:
-    """The HSDP replica count, or an InputError naming the valid choices (it must divide dp = world / ep)."""
-    if dp_replicate < 1 or dp % dp_replicate != 0:
-        raise InputError(
-            f"dp_replicate={dp_replicate} must divide dp={dp} (world_size / ep_size={ep}); choose one of "
-            f"{divisors(dp)} (usually the number of nodes, so FSDP's all-gathers stay inside a node)"
-        )
-    return dp_replicate
-
-
 # shard_experts="auto" inside one node. Measured on 4 x H200 at 8 Mixtral layers
 # (bench/reports/peers_memory_models_h100-h200_2026-11-22-23.md): ep = 2, dp = 2 with experts sharded over dp took 0.927 s per step at 68 GiB, replicated 1.041 s at 119 GiB
 # (the replicas' all-reduce of every expert gradient costs more than the per-layer all-gathers).
@@ -169,12 +133,11 @@ def check_data_and_model(data_path: str, eval_data_path: str, eval_split: float,
     Returns ``(num_experts, experts_name, model_config)``: the model's expert count and the name of its config field
     (``None, ""`` for the embedded default, made later from known settings) and its config.
     """
-    # Imported here: these modules import InputError from this one.
+    # Imported here, not at the top: the modules that import this one for its small helpers (parse_bool, fail) need none.
     from megablocks_utils.data.records import read_records
     from megablocks_utils.model.attention import choose_attention
-    from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files
+    from megablocks_utils.model.loading import check_model_dir, check_tokenizer_files, load_config
     from megablocks_utils.model.tiny import TINY_CONFIG, default_model_pending
-    from megablocks_utils.tools.memory import load_config
 
     read_records(data_path)
     if eval_data_path and eval_split > 0:

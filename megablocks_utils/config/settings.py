@@ -21,15 +21,12 @@ import sys
 import tokenize
 from dataclasses import dataclass
 
-from megablocks_utils.config.inputs import InputError, parse_bool
+from megablocks_utils.config.inputs import parse_bool
+from megablocks_utils.errors import SettingsError
 from megablocks_utils.model.attention import KERNELS
 from megablocks_utils.parallel.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from megablocks_utils.train.nonfinite import MODES
 from megablocks_utils.train.optim import OPTIMIZERS
-
-
-class SettingsError(InputError):
-    pass
 
 
 @dataclass(frozen=True)

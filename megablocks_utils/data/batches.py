@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megablocks_utils.data.records import DataError, build_dataset, tokenize_records
+from megablocks_utils.data.records import build_dataset, tokenize_records
+from megablocks_utils.errors import DataError
 from megablocks_utils.model.attention import varlen_inputs
 from megablocks_utils.train.loss import IGNORE_INDEX
 

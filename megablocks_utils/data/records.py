@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import DataError
 from megablocks_utils.train.loss import IGNORE_INDEX
 
 PROMPT_WITH_INPUT = (
@@ -51,10 +51,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 FILE_KINDS = "a JSON list, JSONL, parquet, or a directory written by datasets' save_to_disk"
-
-
-class DataError(InputError):
-    """A problem with the data file, stated with what to do about it."""
 
 
 def _json_kind(value) -> str:

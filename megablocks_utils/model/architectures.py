@@ -64,7 +64,7 @@ class MoESpec:
     shared_intermediate_attr: str | None = None
     shared_count_attr: str | None = None  # config field multiplying that width (DeepSeek's n_shared_experts)
     # "mla": DeepSeek's multi-head latent attention (low-rank q and kv projections); dense, FSDP shards it
-    # like any attention, only the parameter count (memory.py) needs to know.
+    # like any attention, only the parameter count (train/memory_plan.py) needs to know.
     attention: str = "standard"
     o_proj_bias: bool = True  # config.attention_bias biases o_proj too (GLM-4.5: only q, k and v)
     # RMSNorm on queries and keys: "per_head" (Qwen3: one weight of head_dim, shared by the heads) or

@@ -28,13 +28,9 @@ import inspect
 
 import torch
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import AttentionChoiceError
 
 KERNELS = ("auto", "sdpa", "eager", "flex_attention", "varlen")
-
-
-class AttentionChoiceError(InputError):
-    """A kernel asked for that cannot run this model on this device."""
 
 
 def choose_attention(requested: str, config, device_type: str, masked: bool = True, dtype: torch.dtype | None = None) -> tuple[str, str]:

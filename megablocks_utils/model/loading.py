@@ -6,6 +6,9 @@ one tensor); transformers 5's own state dict has them fused
 (``model.layers.{l}.mlp.experts.gate_up_proj`` [E, 2I, H]). ``models.py`` names both layouts. Either way a rank reads only the bytes of
 its own experts, straight into a preallocated local tensor: no rank ever holds all experts and
 nothing is concatenated.
+
+Before any weight is read, from small files only: ``check_model_dir`` and ``check_tokenizer_files`` check the
+directory, and ``load_config`` makes the model's config from config.json alone (the fit check plans with it).
 """
 
 import json
@@ -16,7 +19,7 @@ from types import SimpleNamespace
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import MOE_SPECS, MoESpec, spec_for
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -232,6 +235,40 @@ def check_tokenizer_files(model_dir: str) -> None:
             f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer files "
             "of the model's hub repository into this directory (train with the tokenizer the model was trained with)"
         )
+
+
+def load_config(config_or_dir):
+    """A transformers config from a config object, a config.json dict, or a model directory (reads only config.json)."""
+    if not isinstance(config_or_dir, (str, os.PathLike, dict)):
+        return config_or_dir
+    values = config_or_dir
+    name = values.get("_name_or_path", "") if isinstance(values, dict) else ""
+    if not isinstance(values, dict):
+        path = os.path.join(config_or_dir, "config.json")
+        name = os.path.basename(os.path.normpath(config_or_dir))
+        if not os.path.isfile(path):
+            raise InputError(f"{path} does not exist; point --model_name_or_path at a Hugging Face model directory")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{path} is not valid JSON ({e}); re-download or re-save the model") from e
+        if not isinstance(values, dict):
+            raise InputError(f"{path} holds a {type(values).__name__}, not a JSON object of config fields")
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    try:
+        spec_for(type("Config", (), {"model_type": model_type}))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    from transformers import AutoConfig  # lazily: importing this module stays light
+
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"config.json of {name or model_type} does not make a {model_type} config: {e}") from e
+    config._memory_name = name  # the name the fit check prints (train/memory_plan.py)
+    return config
 
 
 def _copy_checked(out: torch.Tensor, value: torch.Tensor, name: str) -> None:

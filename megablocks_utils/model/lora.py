@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import decoder_layers, spec_for
 from megablocks_utils.moe.lora import PROJECTIONS, ExpertLoRA, stacked_adapter
 

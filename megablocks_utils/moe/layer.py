@@ -1,5 +1,5 @@
 """The native dropless expert-parallel MoE layer: ``ExpertParallelMoE`` (router, experts, shared expert)
-and ``ExpertParallelExperts`` (this rank's expert weights), composing the parts.
+and ``ExpertParallelExperts`` (this rank's expert weights, ``expert_weights.py``, and their forward), composing the parts.
 
 One token's trip through a layer, each step in its own module:
   route (the model's top-k rule: ``router.py``) -> sort token copies by expert -> all-to-all to the ep
@@ -16,27 +16,21 @@ over dp and scales it the way FSDP scales dense gradients (``grads.py``).
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from megablocks_utils.moe.cast import cast_weights, divide_fuses
 from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
+from megablocks_utils.moe.expert_weights import ExpertWeights
 from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.router import TopKRouter
-from megablocks_utils.moe.weight_grad import WeightGradInto
 from megablocks_utils.parallel.mesh import MoEMesh
 
 
-class ExpertParallelExperts(nn.Module):
-    """This rank's experts of one layer, stored fused like transformers 5 does.
+class ExpertParallelExperts(ExpertWeights):
+    """This rank's experts of one layer: their weights (``ExpertWeights``: stored fused like transformers 5 does,
+    sharded over "ep") and the forward that sends each token's k copies to them and back.
 
-    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors sharded on dim 0 over "ep";
-    the names match transformers' fused layout so state dicts line up with ``MixtralExperts``,
-    ``Qwen2MoeExperts`` and the other fused expert modules of transformers 5. A model table row may
-    ask for transformers' other layouts (``architectures.MoESpec``): ``transposed`` weights ([E, H, 2I] and
-    [E, I, H]), gate and up in alternating columns (``interleaved``), and per-expert biases
-    ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H], sharded like the weights (gpt-oss).
-    ``act_fn`` is a transformers activation name, or "gpt_oss_swiglu" (clamped, with ``alpha`` and ``limit``).
+    ``act_fn`` is a transformers activation name, or "gpt_oss_swiglu" (clamped, with ``alpha`` and ``limit``);
+    ``transposed``, ``interleaved`` and ``bias``: the weights' layout (``ExpertWeights``).
 
     Settings, given at construction:
     ``force_loop``: the local experts as the per-expert loop even where grouped GEMMs run (tests compare the two).
@@ -44,9 +38,6 @@ class ExpertParallelExperts(nn.Module):
     gradient division (``fused.py``), and run the weighted combine of the k outputs (both ways) and the dispatch's
     backward as our Triton kernels (``gather_kernels.py``).
     ``overlap_chunks``: with ep > 1, tokens in this many chunks, one's all-to-all beside another's experts (forward).
-    ``weight_grads_in_gemm`` (an attribute, on by default): where the layer owns its weights' gradients (``owns_weight_grads``:
-    grouped GEMMs, no FSDP on the experts) the GEMMs' backward adds gate_up's and down's gradients into ``.grad`` itself
-    (``weight_grad.py``) instead of autograd's fresh gradient and ``add_`` at every micro-step.
 
     ``recompute`` (set by ``apply_activation_checkpointing``, the scripts' ``checkpoint_experts``): the forward keeps
     only its inputs and reruns itself in the backward (torch.utils.checkpoint, non-reentrant). What it saves otherwise,
@@ -71,7 +62,7 @@ class ExpertParallelExperts(nn.Module):
         compile_elementwise: bool = True,
         overlap_chunks: int = 1,
     ):
-        super().__init__()
+        super().__init__(bias=bias, compile_elementwise=compile_elementwise)
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={overlap_chunks}: give 1 (no overlap) or more chunks")
         self.num_experts = num_experts
@@ -80,36 +71,12 @@ class ExpertParallelExperts(nn.Module):
         # compiling a whole decoder layer would do; the group comes from ``_ep_group``, outside compile).
         self.ep_size = mesh.ep_size
         self.num_local_experts = num_experts // mesh.ep_size
-        self.has_bias = bias
         self.local = LocalExperts(act_fn, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit, force_loop=force_loop)
-        self.compile_elementwise = compile_elementwise
         self.overlap_chunks = overlap_chunks
-        # Experts FSDP leaves out (parallelize: dp = 1): their gradients divided by world size in the cast's backward.
-        self.grad_divisor = 1
-        self.lora = None  # finetuning="lora": the experts' adapters (moe/lora.py ExpertLoRA), added by model/lora.py
         self.recompute = False  # keep only the inputs; rerun the forward in the backward (checkpoint_experts)
-        # The grouped GEMMs' backward adds the weights' gradients into .grad itself (owns_weight_grads); off: autograd's.
-        self.weight_grads_in_gemm = True
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
-
-    def set_weights(
-        self, gate_up_proj: DTensor, down_proj: DTensor, gate_up_proj_bias: DTensor | None = None, down_proj_bias: DTensor | None = None
-    ) -> None:
-        self.gate_up_proj = nn.Parameter(gate_up_proj)
-        self.down_proj = nn.Parameter(down_proj)
-        if (gate_up_proj_bias is not None) != self.has_bias or (down_proj_bias is not None) != self.has_bias:
-            raise ValueError(f"these experts {'need' if self.has_bias else 'take no'} biases (the model table's expert_bias)")
-        if self.has_bias:
-            self.gate_up_proj_bias = nn.Parameter(gate_up_proj_bias)
-            self.down_proj_bias = nn.Parameter(down_proj_bias)
-
-    def expert_tensors(self) -> tuple[torch.Tensor, ...]:
-        """(gate_up_proj, down_proj), then the biases where there are any."""
-        if self.has_bias:
-            return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
-        return self.gate_up_proj, self.down_proj
 
     @torch.compiler.disable  # torch 2.11's dynamo fails on DeviceMesh internals
     def _ep_group(self) -> "torch.distributed.ProcessGroup":
@@ -117,30 +84,12 @@ class ExpertParallelExperts(nn.Module):
         # destroy_process_group (suspected, not shown, to abort a shutdown after SIGTERM).
         return self.mesh.ep_group
 
-    @torch.compiler.disable  # DTensor.to_local under torch 2.11's dynamo reads DeviceMesh internals it lacks
-    def _local_weights(self, dtype: torch.dtype, tensors=None) -> tuple[torch.Tensor, ...]:
-        """``expert_tensors()``' (or ``tensors``') local blocks in ``dtype``, their gradients divided by
-        ``grad_divisor`` on the way back."""
-        local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.expert_tensors() if tensors is None else tensors)]
-        return cast_weights(local, dtype, self.grad_divisor, self.compile_elementwise)
-
     def owns_weight_grads(self, x: torch.Tensor, counts: torch.Tensor) -> bool:
         """Whether the GEMMs' backward adds gate_up's and down's gradients into ``.grad`` itself (``weight_grad.py``):
         ``weight_grads_in_gemm`` on, grouped GEMMs, weights that need a gradient and that FSDP does not manage
         (FSDP reduces the gradient autograd gives its unsharded weights)."""
         return (self.weight_grads_in_gemm and torch.is_grad_enabled() and not isinstance(self, FSDPModule)
                 and self.gate_up_proj.requires_grad and self.down_proj.requires_grad and self.local.uses_grouped_gemms(x, counts))
-
-    def _weights_grads_into(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[WeightGradInto, ...]]:
-        """The weights for ``owns_weight_grads``: gate_up's and down's local blocks in ``x``'s dtype without autograd
-        edge, the biases as ``_local_weights`` gives them, and where gate_up's and down's gradients go."""
-        projections = (self.gate_up_proj, self.down_proj)
-        with torch.no_grad():
-            weights = self._local_weights(x.dtype, projections)
-        if self.has_bias:
-            weights += self._local_weights(x.dtype, self.expert_tensors()[2:])
-        fuse = divide_fuses(self.grad_divisor, self.compile_elementwise, x.is_cuda)
-        return weights, tuple(WeightGradInto(w, self.grad_divisor, fuse) for w in projections)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert (``LocalExperts``; ``counts_host``,

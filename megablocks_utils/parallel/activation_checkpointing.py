@@ -60,7 +60,6 @@ from torch.utils.checkpoint import (
 
 from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.model.architectures import decoder_layers
-from megablocks_utils.tools.memory import checkpointed_layers
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
@@ -138,9 +137,18 @@ def parse_activation_checkpointing(value: str | bool) -> str:
     return text
 
 
+def checkpointed_layers(num_layers: int, count: int) -> list[int]:
+    """The decoder layers ``activation_checkpointing_layers = count`` checkpoints: ``count`` of the
+    ``num_layers``, spread evenly (every other one for half); -1 (or ``count >= num_layers``): all.
+    The fit check (``train/memory_plan.py``) plans the same layers."""
+    if count < 0 or count >= num_layers:
+        return list(range(num_layers))
+    return [i for i in range(num_layers) if i * count // num_layers != (i + 1) * count // num_layers]
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1, experts: bool = False) -> None:
     """Checkpoint the decoder layers of a transformers model: "none", "full" or "selective", on ``layers``
-    of them spread evenly (``memory.checkpointed_layers``; -1: all). The layers left out keep their
+    of them spread evenly (``checkpointed_layers``; -1: all). The layers left out keep their
     activations and recompute nothing: where memory allows, that buys back speed a layer at a time.
 
     Non-reentrant ``torch.utils.checkpoint`` through transformers' own per-layer hook

@@ -13,6 +13,9 @@ neighbouring ranks (inside one node) and a node holds whole ep groups.
   "dp_shard") = (R, W / R) with HSDP, so the per-layer all-gathers stay inside a node.
 - ``world``: 1-D, all ranks (the loss, router statistics and metrics are reduced over it).
 
+``check_ep_size`` and ``check_dp_replicate`` hold the degrees against the world size; the scripts call them
+before the process group starts, ``build_mesh`` again on it.
+
 docs/parallelism.md draws these meshes and says how each gradient is reduced.
 """
 
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megablocks_utils.config.inputs import check_dp_replicate, check_ep_size
+from megablocks_utils.errors import InputError
 
 
 @dataclass
@@ -80,6 +83,40 @@ class MoEMesh:
     @property
     def device_type(self) -> str:
         return self.world.device_type
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ep_size(ep_size: int, world_size: int, num_experts: int | None = None, experts_name: str = "num_local_experts") -> int:
+    """The expert-parallel degree (``ep_size``, 0 = all ranks), or an InputError naming the valid choices."""
+    if ep_size < 0:
+        raise InputError(f"ep_size={ep_size} is negative; use 0 (all {world_size} processes) or one of {divisors(world_size)}")
+    ep = ep_size or world_size
+    given = f"ep_size={ep}" if ep_size else f"ep_size=0 (all {world_size} processes)"
+    if world_size % ep != 0:
+        raise InputError(
+            f"world_size={world_size} is not divisible by {given}; choose ep_size in {divisors(world_size)} "
+            f"for {world_size} processes, or launch a multiple of {ep} processes"
+        )
+    if num_experts is not None and num_experts % ep != 0:
+        valid = [d for d in divisors(num_experts) if world_size % d == 0]
+        raise InputError(
+            f"{experts_name}={num_experts} is not divisible by {given}; choose ep_size in {valid} "
+            f"(each rank holds whole experts, and ep_size must divide the {world_size} processes too)"
+        )
+    return ep
+
+
+def check_dp_replicate(dp_replicate: int, dp: int, ep: int) -> int:
+    """The HSDP replica count, or an InputError naming the valid choices (it must divide dp = world / ep)."""
+    if dp_replicate < 1 or dp % dp_replicate != 0:
+        raise InputError(
+            f"dp_replicate={dp_replicate} must divide dp={dp} (world_size / ep_size={ep}); choose one of "
+            f"{divisors(dp)} (usually the number of nodes, so FSDP's all-gathers stay inside a node)"
+        )
+    return dp_replicate
 
 
 def build_mesh(

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megablocks_utils.errors import CheckpointError
 from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
 from megablocks_utils.model.build import local_expert_weights
 from megablocks_utils.moe.layer import ExpertParallelMoE
@@ -225,11 +226,7 @@ def export_from_checkpoint(checkpoint_dir: str, out_dir: str, dtype: torch.dtype
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoTokenizer
 
-    from megablocks_utils.train.checkpoint import (
-        STATE_NAME,
-        CheckpointError,
-        describe_failure,
-    )
+    from megablocks_utils.train.checkpoint import STATE_NAME, describe_failure
 
     if not os.path.isfile(os.path.join(checkpoint_dir, STATE_NAME)):
         raise CheckpointError(f"{checkpoint_dir} is not a complete training checkpoint (no {STATE_NAME})")
@@ -300,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="where to write the HF model")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as trained)")
     args = parser.parse_args(argv)
-    from megablocks_utils.train.checkpoint import CheckpointError
-
     try:
         export_from_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
     except (CheckpointError, ValueError, OSError) as e:

@@ -25,12 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from megablocks_utils.errors import CheckpointError
+
 CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
 STATE_NAME = "trainer_state.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with what to do about it."""
 
 
 # What a failed save can raise: DCP's CheckpointException (every rank's error) is a BaseException.

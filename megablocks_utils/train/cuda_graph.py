@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megablocks_utils.config.inputs import InputError, parse_bool
+from megablocks_utils.config.inputs import parse_bool
+from megablocks_utils.errors import InputError
 from megablocks_utils.moe.weight_grad import gradients_written
 
 # varlen's document count, padded up to a multiple of this: a graph per multiple (train/cuda_graph.py).

@@ -14,15 +14,9 @@ and the data position still advance: a skipped step is spent, as if its batch ha
 
 import math
 
+from megablocks_utils.errors import NonFiniteStep
+
 MODES = ("stop", "skip")
-
-
-class NonFiniteStep(RuntimeError):
-    """The run must stop at ``step``; the message says what was not finite."""
-
-    def __init__(self, step: int, message: str):
-        super().__init__(message)
-        self.step = step
 
 
 class NonFiniteSteps:

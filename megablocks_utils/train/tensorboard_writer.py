@@ -7,7 +7,7 @@ tokens over the mean (1 = perfectly balanced; top-k routing with E experts is at
 
 import importlib.util
 
-from megablocks_utils.config.inputs import InputError
+from megablocks_utils.errors import InputError
 
 SCALARS = {  # tag: the record's field
     "train/loss": "loss",

@@ -1,4 +1,4 @@
-"""The fit check's estimate (megablocks_utils/tools/memory.py, printed by train_fsdp2.py before loading) against the
+"""The fit check's estimate (megablocks_utils/train/memory_plan.py, printed by train_fsdp2.py before loading) against the
 peak a real run reaches on one GPU (docs/memory.md).
 
 Mixtral-8x7B's width cut to 4 layers (random bf16 weights, written once to /tmp/mixtral-L4, the benchmarks' checkpoint),
