@@ -283,7 +283,8 @@ def report(args, prof, times: list[float]) -> None:
         busy += us
     steps = args.active
     record = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "ep": args.ep, "rank": int(os.environ.get("RANK", "0")), "shape": args.shape, "layers": args.layers, "data": args.data, "routing": args.routing, "profiled_steps": steps,
+              "ep": args.ep, "rank": int(os.environ.get("RANK", "0")), "shape": args.shape, "layers": args.layers,
+              "data": args.data, "routing": args.routing, "profiled_steps": steps,
               "wall_s_per_step": [round(w, 4) for w in wall], "gpu_busy_s_per_step": busy / 1e6 / steps,
               "parts_s_per_step": {k: v / 1e6 / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
               "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]}}
@@ -351,7 +352,8 @@ def main() -> None:
     steps = args.wait + 1 + args.active + 2  # one more than profiled: the run stops itself after the profile
     data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps * args.ep)
     out_dir = os.path.join(args.work, "run")
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", os.path.abspath(__file__), "--inner", "--ep", str(args.ep),
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", os.path.abspath(__file__), "--inner",
+               "--ep", str(args.ep),
                "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--routing", args.routing, "--wait", str(args.wait),
                "--active", str(args.active), "--top", str(args.top), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
                *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),

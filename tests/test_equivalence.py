@@ -46,6 +46,17 @@ def make_batch(vocab: int, batch: int = 4, seq: int = 12):
     return input_ids, mask, labels
 
 
+def rank_loss(model, mesh, config, input_ids, mask, labels, rank: int, world: int):
+    """This rank's share of the global batch through ``model``: (its rows, the output, the router statistics, the loss
+    whose backward gives this rank's part of the global mean's gradient: cross-entropy over the global label count
+    plus the aux loss, times world)."""
+    rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
+    out = model(input_ids[rows], attention_mask=mask[rows])
+    stats = router_stats(model, mask[rows], mesh.world.get_group())
+    ce = causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels)
+    return rows, out, stats, world * (ce + spec_for(config).aux_loss_coef(config) * stats.local)
+
+
 def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mixtral", shard_experts=True, dp_replicate=1):
     """The parallelized model (EP + FSDP2 on the dense weights and the experts, as the script runs it)
     against transformers' model on the whole batch in one process."""
@@ -79,11 +90,7 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     else:  # dp = 1, fp32 weights and compute: nothing to shard or cast (parallelize.experts_need_fsdp)
         assert expert_shards == {1}, "FSDP took experts it has nothing to do for"
         assert any(isinstance(m, FSDPModule) for m in model.modules()) is (world > 1), "FSDP on one rank (needs_fsdp)"
-    rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
-    out = model(input_ids[rows], attention_mask=mask[rows])
-    stats = router_stats(model, mask[rows], mesh.world.get_group())
-    ce = causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels)
-    loss = world * (ce + spec.aux_loss_coef(config) * stats.local)
+    rows, out, stats, loss = rank_loss(model, mesh, config, input_ids, mask, labels, rank, world)
     loss.backward()
 
     global_loss = loss.detach() / world

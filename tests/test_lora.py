@@ -55,18 +55,11 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
     random adapters (B too, so that every gradient is non-zero), fp32, the whole batch in one process.
     ``activation_checkpointing`` "experts": none, and the routed experts recomputed (checkpoint_experts)."""
     from peft import get_peft_model, get_peft_model_state_dict
-    from test_equivalence import make_batch
+    from test_equivalence import make_batch, rank_loss
     from transformers import AutoModelForCausalLM
 
     import megablocks_utils.moe.layer as moe_layer
-    from megablocks_utils import (
-        build_mesh,
-        causal_lm_loss_sum,
-        count_label_tokens,
-        router_stats,
-        shard_moe,
-        spec_for,
-    )
+    from megablocks_utils import build_mesh, shard_moe
     from megablocks_utils.model.lora import (
         LoraSettings,
         add_lora,
@@ -81,7 +74,6 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
 
     moe_layer.grouped_mm_supported = (lambda x: True) if grouped else (lambda x: False)  # this spawned rank only
     config = tiny_moe_config(arch)
-    spec = spec_for(config)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config).float()
     model = copy.deepcopy(base)
@@ -106,10 +98,7 @@ def check_one(rank, world, ep_size, arch, targets, grouped, activation_checkpoin
     input_ids, mask, labels = make_batch(config.vocab_size)
     ref_out = reference(input_ids, attention_mask=mask, labels=labels, output_router_logits=True)
     ref_out.loss.backward()
-    rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
-    out = model(input_ids[rows], attention_mask=mask[rows])
-    stats = router_stats(model, mask[rows], mesh.world.get_group())
-    loss = world * (causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels) + spec.aux_loss_coef(config) * stats.local)
+    rows, out, stats, loss = rank_loss(model, mesh, config, input_ids, mask, labels, rank, world)
     loss.backward()
 
     global_loss = loss.detach() / world

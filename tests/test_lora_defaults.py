@@ -50,10 +50,10 @@ def train_save_and_load_in_peft(rank, world, arch, out_dir):
     each rank's rows: finite losses, every adapter's gradient non-zero by the second step; the adapter saved as the
     script saves it, and PeftModel.from_pretrained on transformers' model of the same weights gives our logits."""
     from peft import PeftModel
-    from test_equivalence import make_batch
+    from test_equivalence import make_batch, rank_loss
     from transformers import AutoModelForCausalLM
 
-    from megablocks_utils import build_mesh, causal_lm_loss_sum, count_label_tokens, router_stats, shard_moe, spec_for
+    from megablocks_utils import build_mesh, shard_moe, spec_for
     from megablocks_utils.model.lora import add_lora, peft_tensors, save_peft_adapter
     from megablocks_utils.parallel.parallelize import parallelize
 
@@ -73,11 +73,8 @@ def train_save_and_load_in_peft(rank, world, arch, out_dir):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
 
     input_ids, mask, labels = make_batch(config.vocab_size)
-    rows = slice(rank * len(input_ids) // world, (rank + 1) * len(input_ids) // world)
     for step in (1, 2):
-        out = model(input_ids[rows], attention_mask=mask[rows])
-        stats = router_stats(model, mask[rows], mesh.world.get_group())
-        loss = world * (causal_lm_loss_sum(out.logits, labels[rows]) / count_label_tokens(labels) + spec.aux_loss_coef(config) * stats.local)
+        _, _, _, loss = rank_loss(model, mesh, config, input_ids, mask, labels, rank, world)
         loss.backward()
         global_loss = loss.detach() / world
         torch.distributed.all_reduce(global_loss)
