@@ -7,6 +7,7 @@ Edit the settings below or override any of them from a file (--config run.yaml) 
 (--name value; a true/false setting alone means true). `python train_fsdp2.py --help` lists them all.
 """
 
+import functools
 import math
 import os
 import time
@@ -58,6 +59,7 @@ dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "b
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
+fsdp_wrap = "auto"  # FSDP units of the dense weights: "layer" (each decoder layer, gathered when used: least memory), "model" (all at once per micro-step: no per-layer hooks on the host, more memory), "auto" (model where ep = world size and it fits)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 cuda_graphs = "auto"  # each micro-step replayed from a CUDA graph after 2 warm-up steps: "auto" (one GPU, where the step allows it), "true", "false"
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
@@ -103,6 +105,7 @@ from megablocks_utils.train.memory_plan import (  # noqa: E402
     check_checkpointed_layers,
     check_fit,
     estimate_memory,
+    resolve_fsdp_wrap,
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -236,16 +239,19 @@ if resume == "auto" and resume_from is None and not overwrite_output_dir and {"s
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
 # The fit check: the per-GPU peak estimated from config.json alone, before any weight is read.
-plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim=optim, shard_experts=experts_sharded,
-                       dp_replicate=dp_replicate, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                       max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
-                       gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
-                       activation_checkpointing_layers=activation_checkpointing_layers, finetuning=finetuning, lora_r=lora_r,
-                       lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, chunked_loss=chunked_loss,
-                       checkpoint_experts=checkpoint_experts)
 gpu_bytes = 0  # on CPU: nothing to fit into
 if use_cuda:
     gpu_bytes = gpu_memory_gib * 2**30 if gpu_memory_gib > 0 else torch.cuda.get_device_properties(device).total_memory
+plan_for = functools.partial(
+    estimate_memory, model_name_or_path, world_size=world_size, ep_size=ep, optim=optim, shard_experts=experts_sharded,
+    dp_replicate=dp_replicate, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), max_length=max_length,
+    per_device_train_batch_size=per_device_train_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
+    activation_checkpointing=activation_checkpointing, activation_checkpointing_layers=activation_checkpointing_layers,
+    finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
+    chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts)
+# FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits
+fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep)
+plan = plan_for(fsdp_wrap=fsdp_wrap)
 check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
@@ -284,7 +290,7 @@ if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bia
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}); optim {optim}; "
+        f"over dp, dp_replicate {dp_replicate}; FSDP units: {'the whole model' if fsdp_wrap == 'model' else 'each layer'}); optim {optim}; "
         + (f"LoRA r {lora.r} on {', '.join(lora.targets)} ({plan.adapters / 1e6:.2f} M adapter params, the rest frozen); " if lora else "")
         + f"attention {attention_choice}; {data.describe(batches.per_step)}; "
         f"{total_steps} steps", flush=True,
@@ -295,7 +301,7 @@ if master:
 # dense weights over all ranks), in that order (megablocks_utils/parallel/parallelize.py).
 compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
                        activation_checkpointing_layers=activation_checkpointing_layers, checkpoint_experts=checkpoint_experts,
-                       compile_dense=compile_dense, device=device)
+                       compile_dense=compile_dense, fsdp_wrap=fsdp_wrap, device=device)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
 left_out = fsdp_left_out(model, mesh, compute_dtype)

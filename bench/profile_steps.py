@@ -288,8 +288,9 @@ def report(args, prof, times: list[float]) -> None:
               "wall_s_per_step": [round(w, 4) for w in wall], "gpu_busy_s_per_step": busy / 1e6 / steps,
               "parts_s_per_step": {k: v / 1e6 / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
               "top_ops_s_per_step": {k: v / 1e6 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]}}
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    if args.trace:  # at ep > 1 one file per rank: <trace>.rank<r>.json
+        rank = int(os.environ.get("RANK", "0"))
+        prof.export_chrome_trace(args.trace if args.ep == 1 else f"{args.trace.removesuffix('.json')}.rank{rank}.json")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "a") as f:  # one line per rank: at ep > 1 each rank's own profile (its collectives wait for the others)
         f.write(json.dumps(record) + "\n")

@@ -9,7 +9,8 @@ kernel was launched after the gap began (the host was late), else the GPU's own 
 else, or kernels too short to fill the queue). Host gaps are summed by the CPU operators that launched the next
 kernel (the innermost two enclosing operators of its launch call), so the table names what to make cheaper. Last, the
 stream's kernel time by kernel name: the breakdown that is left for micro-steps replayed from CUDA graphs (their
-kernels have no launching operator).
+kernels have no launching operator). At ep > 1, the collectives (NCCL kernels run on streams of their own): each
+collective's kernel time and how much of it no other kernel overlaps on any stream (exposed: the step waits on it).
 """
 
 import argparse
@@ -25,6 +26,38 @@ def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def collectives(gpu: list[dict]) -> list[tuple[str, int, float, float]]:
+    """(collective, kernels, kernel ms, exposed ms) per NCCL kernel kind (``ncclDevKernel_SendRecv``: the all-to-alls),
+    exposed: the part of its kernels' time when no other kernel, copy or fill runs on any stream."""
+    others = _merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if not e["name"].startswith("nccl")])
+    starts = [a for a, _ in others]
+    rows: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    for e in gpu:
+        if not e["name"].startswith("nccl"):
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        hidden, i = 0.0, max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(others) and others[i][0] < b:
+            hidden += max(0.0, min(b, others[i][1]) - max(a, others[i][0]))
+            i += 1
+        name = e["name"].split("(", 1)[0].removeprefix("ncclDevKernel_").removeprefix("ncclKernel_")
+        row = rows[name]
+        row[0] += 1
+        row[1] += e["dur"]
+        row[2] += e["dur"] - hidden
+    return [(n, c, round(t / 1e3, 2), round(x / 1e3, 2)) for n, (c, t, x) in sorted(rows.items(), key=lambda kv: -kv[1][1])]
 
 
 def analyse(events: list[dict], min_us: float = 5.0, top: int = 25) -> dict:
@@ -92,7 +125,8 @@ def analyse(events: list[dict], min_us: float = 5.0, top: int = 25) -> dict:
             "device_wait_ms": sum(t for _, t in device_gaps.values()) / 1e3,
             "host_late_by_launcher": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(host_gaps)],
             "device_wait_before_kernel": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(device_gaps)],
-            "kernel_time": [(n, c, round(t / 1e3, 3)) for n, (c, t) in rank(by_kernel)]}
+            "kernel_time": [(n, c, round(t / 1e3, 3)) for n, (c, t) in rank(by_kernel)],
+            "collectives": collectives(gpu)}
 
 
 def render(result: dict) -> str:
@@ -106,6 +140,9 @@ def render(result: dict) -> str:
     lines += [f"| {n} | {c} | {t:.2f} |" for n, c, t in result["device_wait_before_kernel"]]
     lines += ["", "| kernel (busiest stream, whole trace) | launches | ms |", "|---|---|---|"]
     lines += [f"| {n} | {c} | {t:.2f} |" for n, c, t in result.get("kernel_time", [])]
+    if result.get("collectives"):
+        lines += ["", "| collective (every stream, whole trace) | kernels | ms | exposed ms (no other kernel beside) |", "|---|---|---|---|"]
+        lines += [f"| {n} | {c} | {t:.2f} | {x:.2f} |" for n, c, t, x in result["collectives"]]
     return "\n".join(lines)
 
 

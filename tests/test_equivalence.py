@@ -57,7 +57,8 @@ def rank_loss(model, mesh, config, input_ids, mask, labels, rank: int, world: in
     return rows, out, stats, world * (ce + spec_for(config).aux_loss_coef(config) * stats.local)
 
 
-def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mixtral", shard_experts=True, dp_replicate=1):
+def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mixtral", shard_experts=True, dp_replicate=1,
+                                 fsdp_wrap="layer"):
     """The parallelized model (EP + FSDP2 on the dense weights and the experts, as the script runs it)
     against transformers' model on the whole batch in one process."""
     from transformers import AutoModelForCausalLM
@@ -83,7 +84,9 @@ def check_matches_single_process(rank, world, ep_size, routing, top_k, arch="mix
     ref_out.loss.backward()
 
     mesh = build_mesh(ep_size, "cpu", shard_experts=shard_experts, dp_replicate=dp_replicate)
-    parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
+    parallelize(model, mesh, param_dtype=torch.float32, fsdp_wrap=fsdp_wrap, device="cpu")
+    layer_units = [isinstance(layer, FSDPModule) for layer in model.model.layers]
+    assert layer_units == [fsdp_wrap == "layer" and world > 1] * len(layer_units), (fsdp_wrap, layer_units)
     expert_shards = {p.device_mesh.ndim for p in expert_parameters(model)}
     if world // ep_size > 1:
         assert expert_shards == {3}, "FSDP did not take the experts over"
@@ -152,6 +155,21 @@ def check_one_rank(rank, world):
 
 def test_single_rank_ep1_matches():
     run_ranks(check_one_rank, 1)
+
+
+def check_whole_model_unit(rank, world):
+    for ep_size in (2, 1):
+        for arch in ("mixtral", "qwen2_moe"):
+            try:
+                check_matches_single_process(rank, world, ep_size, "learned", 2, arch, fsdp_wrap="model")
+            except AssertionError as e:
+                raise AssertionError(f"{arch} ep={ep_size}: {e}") from e
+
+
+def test_whole_model_fsdp_unit_matches_single_process():
+    """fsdp_wrap="model" (the dense weights as one FSDP unit, gathered once per forward and kept for the backward): the
+    same loss, logits and gradients as one process, at ep 2 (dp 1) and at ep 1 (dp 2, experts under FSDP too)."""
+    run_ranks(check_whole_model_unit, 2)
 
 
 def check_other_layouts(rank, world):

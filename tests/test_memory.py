@@ -116,6 +116,29 @@ def test_gathered_weights_and_logits_by_hand():
     assert _tiny(chunked_loss=False).logits == 12 * 15 * 10
 
 
+def test_whole_model_fsdp_unit_gathers_every_layer():
+    """fsdp_wrap "model": all dense weights unsharded at once (root + 4 layers of 240), not root + two layers."""
+    four = dict(TINY, num_hidden_layers=4)
+    layer, model = (estimate_memory(four, world_size=2, ep_size=2, optim="adamw_torch", shard_experts=True, max_length=5,
+                                    per_device_train_batch_size=3, fsdp_wrap=wrap) for wrap in ("layer", "model"))
+    assert model.gathered_weights - layer.gathered_weights == 2 * (4 - 2) * 240
+    assert model.total > layer.total and "FSDP units: the whole model" in model.describe()
+    with pytest.raises(ValueError, match="resolve_fsdp_wrap"):
+        estimate_memory(four, world_size=2, max_length=5, per_device_train_batch_size=3, fsdp_wrap="auto")
+
+
+def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fits():
+    sizes = {"layer": 10 * GiB, "model": 12 * GiB}
+    plan = lambda wrap: type("E", (), {"total": sizes[wrap]})()  # noqa: E731
+    resolve = memory_plan.resolve_fsdp_wrap
+    assert resolve("auto", plan, 16 * GiB, world_size=2, ep=2) == "model"
+    assert resolve("auto", plan, 0, world_size=4, ep=4) == "model"  # on CPU: nothing to fit into
+    assert resolve("auto", plan, 11 * GiB, world_size=2, ep=2) == "layer"  # the whole model would not fit
+    assert resolve("auto", plan, 16 * GiB, world_size=4, ep=2) == "layer"  # dp 2: experts under FSDP, not measured
+    assert resolve("auto", plan, 16 * GiB, world_size=1, ep=1) == "layer"  # one rank
+    assert resolve("model", plan, 11 * GiB, world_size=4, ep=2) == "model"  # as asked (the fit check then says)
+
+
 def test_chunked_loss_holds_one_chunk_of_logits():
     """A micro-batch longer than a chunk holds one chunk's logits (train/loss.py's loss_chunk_rows), not its own."""
     from megablocks_utils.train.loss import loss_chunk_rows

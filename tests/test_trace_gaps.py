@@ -28,3 +28,13 @@ def test_gaps_split_into_host_late_and_gpu_waiting():
     assert result["device_wait_before_kernel"] == [("k3", 1, 0.02)]
     assert result["gap_sizes"]["50-500 us"] == {"count": 1, "ms": 0.1} and result["gap_sizes"]["5-50 us"] == {"count": 1, "ms": 0.02}
     assert result["kernel_time"] == [("k1", 1, 0.1), ("k2", 1, 0.05), ("k3", 1, 0.02)]  # the busiest stream's, longest first
+
+
+def test_collectives_kernel_time_and_the_part_no_other_kernel_hides():
+    kernel = lambda name, ts, dur, tid: {"ph": "X", "cat": "kernel", "name": name, "pid": 5, "tid": tid, "ts": ts, "dur": dur,  # noqa: E731
+                                        "args": {"correlation": ts}}
+    events = [kernel("gemm", 0, 100, 7), kernel("ncclDevKernel_SendRecv(args)", 50, 100, 9),  # 50 us beside the gemm
+              kernel("ncclDevKernel_AllGather_RING_LL(args)", 300, 40, 9), kernel("add", 320, 10, 7),  # 10 us hidden
+              kernel("ncclDevKernel_SendRecv(args)", 400, 20, 9)]
+    result = analyse(events, min_us=5)
+    assert result["collectives"] == [("SendRecv", 2, 0.12, 0.07), ("AllGather_RING_LL", 1, 0.04, 0.03)]

@@ -97,6 +97,7 @@ RULES = {
     "shard_experts": Choice(("auto", "true", "false"), bare="true"),
     "cuda_graphs": Choice(("auto", "true", "false"), bare="true"),
     "moe_backend": Choice(("native", "megablocks")),
+    "fsdp_wrap": Choice(("auto", "layer", "model")),
     "dtype": Choice(("auto", "bf16", "fp32")),
     "activation_checkpointing": Choice((*ACTIVATION_CHECKPOINTING, "true", "false"), bare="full"),
     "activation_checkpointing_layers": Number(low=0, special=-1, special_means="every decoder layer"),

@@ -15,14 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-# all_to_all_single_autograd is torch's functional collective with a backward (the reverse
-# all-to-all); it lives in this underscore module, and torch has no public autograd all-to-all
-# that takes a DeviceMesh or group with uneven splits otherwise.
-from torch.distributed._functional_collectives import (
-    all_to_all_single,
-    all_to_all_single_autograd,
-)
-
 from megablocks_utils.moe.fused import fused
 
 # The gathers' kernels where ``fuse`` is on: "triton" (gather_kernels.py: each row read once, the combine's backward in
@@ -100,6 +92,57 @@ def dispatch(x: torch.Tensor, route: Route, k: int, fuse: bool) -> torch.Tensor:
     return _Dispatch.apply(x, route.token_of_copy, route.copy_row, k, fuse)
 
 
+# torch's functional all-to-all as the operator itself (C++), not through its Python wrapper
+# (torch.distributed._functional_collectives.all_to_all_single[_autograd]), whose result is a Python tensor subclass
+# that waits on first use: every operation on it then runs through Python, ~10% of the host time of an ep 2 step at
+# Qwen3-30B-A3B's shape, where the host paces the step (bench/trace_gaps.py, 2 x H200). The operator is the one that
+# "selective" activation checkpointing keeps (parallel/activation_checkpointing.py), so it replays, not resends.
+_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _all_to_all(rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group, wait: bool) -> torch.Tensor:
+    out = _ALL_TO_ALL(rows.contiguous(), recv_splits, send_splits, group.group_name)
+    return _WAIT(out) if wait else out  # on CUDA the compute stream waits for the collective; the host does not
+
+
+class _AllToAll(torch.autograd.Function):
+    """``rows`` to the ep ranks (``send_splits`` rows to each) and theirs to us (``recv_splits``); the backward sends the
+    gradients back the same way. ``wait`` False: the result must go through ``wait_for`` before it is read (so that
+    other work can be queued meanwhile)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group, wait: bool) -> torch.Tensor:
+        ctx.recv_splits, ctx.send_splits, ctx.group = recv_splits, send_splits, group
+        return _all_to_all(rows, recv_splits, send_splits, group, wait)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.send_splits, ctx.recv_splits, ctx.group, True), None, None, None, None
+
+
+def wait_for(rows: torch.Tensor) -> None:
+    """Wait for an all-to-all issued with ``wait`` False (its result is then safe to read)."""
+    with torch.no_grad():
+        _WAIT(rows)
+
+
+class _Permute(torch.autograd.Function):
+    """``x[index]`` where ``index`` is a permutation of x's rows (``inverse``: its inverse). The backward is the gather
+    by the inverse permutation: autograd's backward of indexing is an index_put with accumulate (on CUDA a sort and a
+    serial pass over duplicates), which a permutation has none of."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
 def exchange(
     routed: list[torch.Tensor],
     counts: list[torch.Tensor],
@@ -110,25 +153,28 @@ def exchange(
 ) -> list[torch.Tensor]:
     """Each chunk's rows (expert order) to the ep ranks owning their experts, through ``compute`` (rows grouped
     by local expert, rows per local expert) there, and back: the outputs in the order the rows were sent.
-    ``local`` experts per rank. One count exchange and host sync for all chunks."""
+    ``local`` experts per rank. One count exchange and host sync for all chunks; with several chunks every chunk's
+    rows are sent before the first chunk's experts run, so that a chunk's all-to-all runs beside another's experts."""
     chunks = len(routed)
     # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
     send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)
-    recv = all_to_all_single(send.reshape(-1), None, None, group).view(ep, chunks, local)
+    recv = _all_to_all(send.reshape(-1), [chunks * local] * ep, [chunks * local] * ep, group, True).view(ep, chunks, local)
     # Rows per chunk and peer rank, sent and received ([c][rank] each): the one host sync of the layer.
     send_splits, recv_splits = torch.stack([send.sum(-1).T, recv.sum(-1).T]).tolist()
-    received = [all_to_all_single_autograd(rows, recv_splits[c], send_splits[c], group) for c, rows in enumerate(routed)]
+    received = [_AllToAll.apply(rows, recv_splits[c], send_splits[c], group, chunks == 1) for c, rows in enumerate(routed)]
     outs = []
     for c in range(chunks):
         recv_counts = recv[:, c, :].reshape(-1)  # source-major: [s * local + e]
         # Received rows are source-major; the experts want them expert-major.
-        slot = torch.repeat_interleave(
-            torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=sum(recv_splits[c])
-        )
+        rows = sum(recv_splits[c])
+        slot = torch.repeat_interleave(torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=rows)
         regroup = torch.argsort(narrow_keys((slot % local) * ep + slot // local, ep * local), stable=True)
-        expert_out = compute(received[c][regroup], recv[:, c, :].sum(0))
-        source_major = torch.empty_like(expert_out).index_copy(0, regroup, expert_out)
-        outs.append(all_to_all_single_autograd(source_major, send_splits[c], recv_splits[c], group))
+        inverse = torch.empty_like(regroup).scatter_(0, regroup, torch.arange(rows, device=regroup.device))
+        if chunks > 1:
+            wait_for(received[c])
+        expert_out = compute(_Permute.apply(received[c], regroup, inverse), recv[:, c, :].sum(0))
+        source_major = _Permute.apply(expert_out, inverse, regroup)
+        outs.append(_AllToAll.apply(source_major, send_splits[c], recv_splits[c], group, True))
     return outs
 
 

@@ -50,6 +50,7 @@ def parallelize(
     compile_dense: bool = False,
     fsdp: bool = True,
     reshard_after_forward: bool = True,
+    fsdp_wrap: str = "layer",
     device: torch.device | str | None = None,
 ) -> int:
     """Apply EP (if not yet), activation checkpointing, compile and FSDP2 to ``model`` in place.
@@ -57,6 +58,7 @@ def parallelize(
     ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32).
     ``activation_checkpointing_layers``: how many decoder layers ``activation_checkpointing`` applies to,
     spread evenly (-1: all).
+    ``fsdp_wrap``: the FSDP units of the dense weights (``FSDP_WRAPS``).
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
     it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
     the experts wherever dp = 1 (``experts_need_fsdp``). Returns the number
@@ -69,8 +71,16 @@ def parallelize(
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)
     if fsdp:  # 4.
-        _apply_fsdp(model, mesh, param_dtype, reshard_after_forward)
+        _apply_fsdp(model, mesh, param_dtype, reshard_after_forward, fsdp_wrap)
     return compiled
+
+
+# The FSDP units of the dense weights. "layer": each decoder layer one unit, gathered before its forward and again
+# before its backward (one layer's weights unsharded at a time, the least memory). "model": the whole model one unit,
+# gathered once per micro-step and kept unsharded through its backward: all dense weights in bf16 at once, but no
+# per-layer FSDP hooks, which on the host cost ~1.5 ms a layer forward and ~1.2 ms backward at ep 2 (2 x H200,
+# Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_summary.py).
+FSDP_WRAPS = ("layer", "model")
 
 
 def needs_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> bool:
@@ -117,7 +127,9 @@ def _expert_shard_dim(param: nn.Parameter) -> Shard:
     return Shard(1)
 
 
-def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, reshard_after_forward: bool, fsdp_wrap: str = "layer") -> None:
+    if fsdp_wrap not in FSDP_WRAPS:
+        raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: choose one of {', '.join(FSDP_WRAPS)}")
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # The experts' inputs include the fp32 router weights: FSDP must not cast them to bf16 (it casts a
     # module's forward inputs, but not again when activation checkpointing recomputes the layer).
@@ -138,6 +150,9 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
             # then a division. Not with one shard: torch (2.13) then divides twice on that path.
             experts.set_force_sum_reduction_for_comms(True)
     if not needs_fsdp(model, mesh, param_dtype):
+        return
+    if fsdp_wrap == "model":  # one unit: gathered at each micro-step's forward, kept through its backward
+        fully_shard(model, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=left_out or None)
         return
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,

@@ -9,11 +9,20 @@ The command line of the fit check: it prints the estimate's breakdown, whether i
 """
 
 import argparse
+import functools
 import sys
 
 from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import InputError
-from megablocks_utils.train.memory_plan import DEFAULTS, GiB, OPTIM_BYTES, checkpointing_hint, estimate_memory, fit_error
+from megablocks_utils.train.memory_plan import (
+    DEFAULTS,
+    GiB,
+    OPTIM_BYTES,
+    checkpointing_hint,
+    estimate_memory,
+    fit_error,
+    resolve_fsdp_wrap,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked_loss", default=str(DEFAULTS["chunked_loss"]).lower(), help="true or false: the loss over chunks of rows")
     parser.add_argument("--checkpoint_experts", default=str(DEFAULTS["checkpoint_experts"]).lower(),
                         help="true or false: recompute the routed experts of the layers not checkpointed")
+    parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=["auto", "layer", "model"],
+                        help="FSDP units of the dense weights: each decoder layer, the whole model at once, or auto (train_fsdp2.py's rule)")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
@@ -55,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoint_experts is None:
         parser.error(f"--checkpoint_experts expects true or false, got {args.checkpoint_experts!r}")
     try:
-        estimate = estimate_memory(
+        plan_for = functools.partial(
+            estimate_memory,
             args.model_name_or_path,
             world_size=args.nproc,
             ep_size=args.ep_size,
@@ -75,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             chunked_loss=chunked_loss,
             checkpoint_experts=checkpoint_experts,
         )
+        layer = plan_for(fsdp_wrap="layer")
+        wrap = resolve_fsdp_wrap(args.fsdp_wrap, lambda w: plan_for(fsdp_wrap=w), args.gpu_memory_gib * 2**30, args.nproc, layer.ep)
+        estimate = layer if wrap == "layer" else plan_for(fsdp_wrap=wrap)
     except InputError as e:
         parser.error(str(e))
     print(estimate.describe())

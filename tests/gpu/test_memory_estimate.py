@@ -20,8 +20,10 @@ CHECKPOINT = "/tmp/mixtral-L4"
 
 def test_estimate_is_within_ten_percent_of_the_measured_peak(tmp_path):
     """The estimate is a plan, not a fitted number: it must not fall below what PyTorch allocated (a "fits" verdict
-    would then be wrong) and stay within 10% of the reserved peak, what the GPU must hold (measured on one H200: 54.1
-    GiB against 49.0 allocated, 50.3 reserved)."""
+    would then be wrong) and stay within 10% of what the GPU must hold at the peak: torch's reserved peak plus what it
+    holds outside torch's allocator (CUDA context, libraries' workspaces), which the plan's overhead counts
+    (``peak_memory_device_gb``). Measured on one H200, 2026-11-24: 54.1 GiB against 49.0 allocated, 50.3 reserved;
+    2026-11-27: 53.1 against 47.5 reserved (+12% of the reserved peak, which leaves out the context)."""
     work, out = str(tmp_path / "work"), str(tmp_path / "runs.jsonl")
     command = [sys.executable, os.path.join(ROOT, "bench", "bench_fsdp1.py"), "run", "--script", "train_fsdp2.py",
                "--dir", CHECKPOINT, "--layers", "4", "--gpus", "1", "--seq", "4096", "--grad_accum", "4", "--warmup", "1",
@@ -33,5 +35,5 @@ def test_estimate_is_within_ten_percent_of_the_measured_peak(tmp_path):
     with open(os.path.join(work, "launch.log")) as f:
         estimate = next(float(line.split()[1]) for line in f if line.startswith("  peak "))
     assert record["status"] == "ok", record
-    allocated, reserved = record["peak_allocated_gib"], record["peak_reserved_gib"]
-    assert allocated <= estimate <= 1.1 * reserved and estimate >= 0.9 * reserved, (estimate, allocated, reserved)
+    allocated, reserved, device = record["peak_allocated_gib"], record["peak_reserved_gib"], record["peak_device_gib"]
+    assert allocated <= estimate <= 1.1 * device and estimate >= 0.9 * device, (estimate, allocated, reserved, device)
