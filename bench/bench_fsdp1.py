@@ -286,8 +286,7 @@ def run(args) -> None:
         )
         source = json.load(open(summary_path)) if os.path.isfile(summary_path) else steps[-1]
         if "peak_memory_allocated_gb" in source:
-            record.update(peak_allocated_gib=source["peak_memory_allocated_gb"], peak_reserved_gib=source["peak_memory_reserved_gb"],
-                          peak_device_gib=source.get("peak_memory_device_gb"))
+            record.update(peak_allocated_gib=source["peak_memory_allocated_gb"], peak_reserved_gib=source["peak_memory_reserved_gb"])
     else:  # every step measured (the launch may still have failed or timed out later, in the final export)
         tokens_per_step = measured[0]["tokens"]
         if any(r["tokens"] != per_step * args.seq for r in measured):
@@ -311,8 +310,7 @@ def run(args) -> None:
         source = summary or steps[-1]
         of = "largest over ranks, whole run (summary.json)" if summary else "rank 0, up to the last step (metrics.jsonl)"
         if "peak_memory_allocated_gb" in source:
-            record.update(peak_allocated_gib=source["peak_memory_allocated_gb"], peak_reserved_gib=source["peak_memory_reserved_gb"],
-                          peak_device_gib=source.get("peak_memory_device_gb"), peak_memory_of=of)
+            record.update(peak_allocated_gib=source["peak_memory_allocated_gb"], peak_reserved_gib=source["peak_memory_reserved_gb"], peak_memory_of=of)
         else:
             record.update(peak_rss_gib=source["peak_rss_gb"], peak_memory_of="host RSS: " + of)
     if not args.keep:  # the run's final/ export is the full model in fp32 (45 GB at L = 8): do not leave it behind

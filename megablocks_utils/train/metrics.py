@@ -30,14 +30,9 @@ def flops_per_token(n_active: int, config, seq_len: int) -> int:
 
 def peak_memory_gb(device: torch.device) -> dict:
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # What the GPU holds outside torch's caching allocator (CUDA context, NCCL's buffers, libraries' workspaces):
-        # the device's used memory less what the allocator reserves now. The fit check's plan counts it too.
-        outside = max(0, total - free - torch.cuda.memory_reserved(device))
         return {
             "peak_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
             "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
-            "peak_memory_device_gb": (torch.cuda.max_memory_reserved(device) + outside) / 2**30,
             # How often the caching allocator had to free its cache and retry (a slow, synchronising step): a
             # count that grows during training explains single slow steps.
             "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0),

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from megablocks_utils.train.memory_plan import OVERHEAD_BYTES
+
 from .launch import GPU_ENV, ROOT, gpus
 
 pytestmark = gpus(1)
@@ -20,10 +22,11 @@ CHECKPOINT = "/tmp/mixtral-L4"
 
 def test_estimate_is_within_ten_percent_of_the_measured_peak(tmp_path):
     """The estimate is a plan, not a fitted number: it must not fall below what PyTorch allocated (a "fits" verdict
-    would then be wrong) and stay within 10% of what the GPU must hold at the peak: torch's reserved peak plus what it
-    holds outside torch's allocator (CUDA context, libraries' workspaces), which the plan's overhead counts
-    (``peak_memory_device_gb``). Measured on one H200, 2026-11-24: 54.1 GiB against 49.0 allocated, 50.3 reserved;
-    2026-11-27: 53.1 against 47.5 reserved (+12% of the reserved peak, which leaves out the context)."""
+    would then be wrong), and its part that torch's caching allocator holds (all but ``OVERHEAD_BYTES``, the fixed 3 GiB
+    it plans for the CUDA context, NCCL and libraries' workspaces, which ``max_memory_reserved`` does not see) stays within
+    10% of the reserved peak. One H200: 2026-11-24, 54.1 GiB against 49.0 allocated, 50.3 reserved; 2026-11-27, 53.1
+    against 46.8 allocated, 47.5 reserved (50.1 of it for the allocator: +5.4%; the whole estimate, context included, is
+    +12% of the reserved peak, which the old form of this test held to 10%)."""
     work, out = str(tmp_path / "work"), str(tmp_path / "runs.jsonl")
     command = [sys.executable, os.path.join(ROOT, "bench", "bench_fsdp1.py"), "run", "--script", "train_fsdp2.py",
                "--dir", CHECKPOINT, "--layers", "4", "--gpus", "1", "--seq", "4096", "--grad_accum", "4", "--warmup", "1",
@@ -35,5 +38,7 @@ def test_estimate_is_within_ten_percent_of_the_measured_peak(tmp_path):
     with open(os.path.join(work, "launch.log")) as f:
         estimate = next(float(line.split()[1]) for line in f if line.startswith("  peak "))
     assert record["status"] == "ok", record
-    allocated, reserved, device = record["peak_allocated_gib"], record["peak_reserved_gib"], record["peak_device_gib"]
-    assert allocated <= estimate <= 1.1 * device and estimate >= 0.9 * device, (estimate, allocated, reserved, device)
+    allocated, reserved = record["peak_allocated_gib"], record["peak_reserved_gib"]
+    in_allocator = estimate - OVERHEAD_BYTES / 2**30
+    assert allocated <= estimate, (estimate, allocated, reserved)
+    assert 0.9 * reserved <= in_allocator <= 1.1 * reserved, (estimate, in_allocator, allocated, reserved)
