@@ -19,18 +19,23 @@ COMMON = ("--max_steps", "20", "--per_device_train_batch_size", "4", "--gradient
 
 @gpus(2)
 def test_ep2_equals_ep1_dp2(tiny_model_dir, tmp_path):
-    """Experts split over 2 GPUs against experts replicated (ep = 1, dp = 2), same global batch: fp32 equal to 1e-5
-    (measured on 2 H200s: loss 1.9e-7, 2026-11-27). In bf16, ep 2 as close to its fp32 run as ep 1 is to its own (1.5x, as
-    the other bf16 checks): the two bf16 runs are no criterion for each other, since both drift from the fp32 run as
-    bf16 training does (2.1e-2 and 2.1e-2 at this seed's step-10 spike, where they are 1.2e-2 apart; seed 1: 6.2e-4 and
-    4.6e-4 from fp32, 2.0e-4 apart; bench/ep_parity.py on 2 H200s, 2026-11-27)."""
+    """Experts split over 2 GPUs against experts replicated (ep = 1, dp = 2), same global batch: the fp32 loss equal to
+    1e-5 (measured on 2 H200s: 1.9e-7, 2026-11-27), the fp32 gradient norm to 1e-5 over the first 4 steps (as before) and
+    1e-4 over 20: the two layouts sum the norm's squares (and the experts' gradients) in different orders, which
+    deterministic CPU runs of this command show as 2.4e-5 at step 10 (2 gloo ranks; the code of 4272322 and today's,
+    every fsdp_wrap: `bench/ep_parity.py --wraps model,layer`), and 2 H200s as 1.7e-5 (2026-11-27, eleventh session).
+    In bf16, ep 2 as close to its fp32 run as ep 1 is to its own (1.5x, as the other bf16 checks): the two bf16 runs are
+    no criterion for each other, since both drift from the fp32 run as bf16 training does (2.1e-2 and 2.1e-2 at this
+    seed's step-10 spike, where they are 1.2e-2 apart; seed 1: 6.2e-4 and 4.6e-4 from fp32, 2.0e-4 apart;
+    bench/ep_parity.py on 2 H200s, 2026-11-27)."""
     runs = {f"{dtype}_ep{ep}": (dtype, ep) for dtype in ("fp32", "bf16") for ep in (2, 1)}
     out = {name: str(tmp_path / name) for name in runs}
     launch_together({name: train_fsdp2(2, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, "--dtype", dtype,
                                        "--ep_size", str(ep)) for name, (dtype, ep) in runs.items()})
     found = {name: metrics(path) for name, path in out.items()}
     assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "loss") <= 1e-5
-    assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "grad_norm") <= 1e-5
+    assert worst_relative(found["fp32_ep2"][:4], found["fp32_ep1"][:4], "grad_norm") <= 1e-5
+    assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "grad_norm") <= 1e-4
     ep2_from_fp32 = worst_relative(found["bf16_ep2"], found["fp32_ep2"], "loss")
     ep1_from_fp32 = worst_relative(found["bf16_ep1"], found["fp32_ep1"], "loss")
     assert ep2_from_fp32 <= 1.5 * ep1_from_fp32 + 1e-4, (ep2_from_fp32, ep1_from_fp32)
