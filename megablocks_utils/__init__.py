@@ -19,7 +19,7 @@ _MODULE_OF = {
     "clipped_step": "train.optim",
     "grad_norm_and_clip_coef": "parallel.grads",
     "sync_expert_grads": "parallel.grads",
-    "IGNORE_INDEX": "train.loss",
+    "IGNORE_INDEX": "data.records",
     "causal_lm_loss_sum": "train.loss",
     "count_label_tokens": "train.loss",
     "forward_with_loss": "train.loss",

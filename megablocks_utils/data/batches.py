@@ -13,7 +13,7 @@ import torch
 from megablocks_utils.data.records import build_dataset, tokenize_records
 from megablocks_utils.errors import DataError
 from megablocks_utils.model.attention import varlen_inputs
-from megablocks_utils.train.loss import IGNORE_INDEX
+from megablocks_utils.data.records import IGNORE_INDEX
 
 
 @dataclass

@@ -20,7 +20,7 @@ import bisect
 
 import torch
 
-from megablocks_utils.train.loss import IGNORE_INDEX
+from megablocks_utils.data.records import IGNORE_INDEX
 
 
 def pack_rows(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:

@@ -22,7 +22,9 @@ import re
 import torch
 
 from megablocks_utils.errors import DataError
-from megablocks_utils.train.loss import IGNORE_INDEX
+
+# The label of a position the loss skips (prompt, padding): transformers' and torch's cross-entropy default.
+IGNORE_INDEX = -100
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

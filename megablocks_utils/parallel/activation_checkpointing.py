@@ -71,8 +71,8 @@ _SAVED_OPS = (
     ("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_efficient_attention"),
     ("aten", "_scaled_dot_product_cudnn_attention"), ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
     ("aten", "_flash_attention_forward"), ("aten", "_efficient_attention_forward"),
-    # all_to_all_single_autograd's forward reaches a dispatch mode as the plain functional op (its
-    # autograd kernel runs above the mode), so this one entry keeps every all-to-all of the layer.
+    # The MoE layer's all-to-alls (moe/dispatch.py) call the plain functional op and wait on it: these entries
+    # keep every all-to-all of the layer (the autograd variant reaches a dispatch mode as the plain op too).
     ("_c10d_functional", "all_to_all_single"), ("_c10d_functional_autograd", "all_to_all_single"),
     ("_c10d_functional", "wait_tensor"),
 )

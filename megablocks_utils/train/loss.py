@@ -47,9 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megablocks_utils.data.records import IGNORE_INDEX
 from megablocks_utils.moe.fused import fused
-
-IGNORE_INDEX = -100
 
 # The most logits one chunk may hold. A chunk holds its logits and their gradient in the compute dtype (4 bytes per
 # entry in bf16, the element-wise step compiled on GPUs: ``fused``; uncompiled, an fp32 copy and an fp32 temporary
