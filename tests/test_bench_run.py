@@ -74,3 +74,21 @@ def test_repeats_summary_takes_the_median_of_each_runs_medians():
     lines = run.repeats_summary(rows).splitlines()
     assert lines[2] == "| ours_synthetic | 3 | 0.610 | 0.610, 0.580, 0.660 |", lines
     assert lines[3] == "| base ours_synthetic | 1 | 0.600 | 0.600 |", lines
+
+
+def test_ep_scaling_table_divides_real_data_tokens_by_the_gpus_and_compares_each_count():
+    from run import ep_scaling_table
+
+    records = [
+        {"status": "ok", "gpus_used": 1, "run": "ours_synthetic", "tokens_per_s": 48000.0, "median_step_s": 0.34},
+        {"status": "ok", "gpus_used": 1, "run": "hf_synthetic", "tokens_per_s": 27000.0, "median_step_s": 0.6},
+        {"status": "ok", "gpus_used": 2, "run": "ours_synthetic", "tokens_per_s": 60000.0, "median_step_s": 0.55},
+        {"status": "ok", "gpus_used": 2, "run": "transformers", "tokens_per_s_per_gpu": 20000.0, "step_time_s": 0.82},
+        {"status": "error", "gpus_used": 4, "name": "ours_4gpu", "error": "CUDA out of memory"},
+    ]
+    lines = ep_scaling_table(records).splitlines()
+    assert "| ours_synthetic | 1 | 0.340 | 48,000 | 100% | 1.78x |" in lines
+    assert "| ours_synthetic | 2 | 0.550 | 30,000 | 62% | 1.50x |" in lines  # 60,000 over 2 GPUs
+    assert "| transformers | 1 | 0.600 | 27,000 | 100% |  |" in lines  # one GPU: its own model (real_data.py's hf_synthetic)
+    assert "| transformers | 2 | 0.820 | 20,000 | 74% |  |" in lines
+    assert lines[-1].startswith("ours_4gpu: error CUDA out of memory")
