@@ -59,7 +59,7 @@ dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "b
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
-fsdp_wrap = "auto"  # FSDP units of the dense weights: "layer" (each decoder layer, gathered when used: least memory), "model" (all at once per micro-step: no per-layer hooks on the host, more memory), "auto" (model where ep = world size and it fits)
+fsdp_wrap = "auto"  # FSDP units of the dense weights: "layer" (each decoder layer, gathered when used: least memory), "model" (all at once per micro-step: no per-layer hooks on the host, more memory), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 cuda_graphs = "auto"  # each micro-step replayed from a CUDA graph after 2 warm-up steps: "auto" (one GPU, where the step allows it), "true", "false"
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
@@ -249,7 +249,7 @@ plan_for = functools.partial(
     activation_checkpointing=activation_checkpointing, activation_checkpointing_layers=activation_checkpointing_layers,
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
     chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts)
-# FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits
+# FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
 fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep)
 plan = plan_for(fsdp_wrap=fsdp_wrap)
 check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here

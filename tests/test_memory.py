@@ -134,6 +134,7 @@ def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fi
     assert resolve("auto", plan, 16 * GiB, world_size=2, ep=2) == "model"
     assert resolve("auto", plan, 0, world_size=4, ep=4) == "model"  # on CPU: nothing to fit into
     assert resolve("auto", plan, 11 * GiB, world_size=2, ep=2) == "layer"  # the whole model would not fit
+    assert resolve("auto", plan, 13 * GiB, world_size=2, ep=2) == "layer"  # it would, but not within 90% of the GPU
     assert resolve("auto", plan, 16 * GiB, world_size=4, ep=2) == "layer"  # dp 2: experts under FSDP, not measured
     assert resolve("auto", plan, 16 * GiB, world_size=1, ep=1) == "layer"  # one rank
     assert resolve("model", plan, 11 * GiB, world_size=4, ep=2) == "model"  # as asked (the fit check then says)

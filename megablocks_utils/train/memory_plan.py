@@ -832,12 +832,13 @@ def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], g
 
     "auto" is "model" where ep covers every rank (the experts stay out of FSDP, so FSDP's per-layer hooks only gather
     dense weights; measured there: 2 x H200 at ep 2, 11% faster steps, BENCHMARKS.md) and the plan with every layer's
-    dense weights gathered at once fits the GPU (``estimate``: the plan for a wrap); else "layer"."""
+    dense weights gathered at once fits within 90% of the GPU (``estimate``: the plan for a wrap; the margin because the
+    estimate ran low on full-size Mixtral, docs/memory.md: a run near the limit keeps the smaller units); else "layer"."""
     if setting != "auto":
         return setting
     if world_size == 1 or ep != world_size:
         return "layer"
-    if gpu_memory_bytes > 0 and estimate("model").total > gpu_memory_bytes:
+    if gpu_memory_bytes > 0 and estimate("model").total > 0.9 * gpu_memory_bytes:
         return "layer"
     return "model"
 
