@@ -279,7 +279,7 @@ def test_final_is_a_peft_adapter_that_gives_our_logits(lora_run, tiny_model_dir)
     run_ranks(check_peft_gives_our_logits, 1, tiny_model_dir, final, os.path.join(lora_run, "merged"))
 
 
-def test_checkpoints_hold_only_adapters_and_resume_exactly(lora_run, tiny_model_dir, small_data, tmp_path):
+def test_checkpoints_hold_only_adapters_and_resume_exactly(lora_run, tiny_model_dir, small_data, tmp_path, capsys):
     """No frozen weight (nor its optimizer state) in a checkpoint (the export command says so and stops); resuming from
     step 2 repeats steps 3 and 4 bit for bit (adapter dropout included: the RNG state is restored) and ends with the
     same adapter."""
@@ -294,9 +294,11 @@ def test_checkpoints_hold_only_adapters_and_resume_exactly(lora_run, tiny_model_
     state_keys = [k for k in keys if k.startswith("optim.state.")]
     assert model_keys and all(is_adapter_name(k) for k in model_keys), [k for k in model_keys if not is_adapter_name(k)][:5]
     assert state_keys and all(is_adapter_name(k) for k in state_keys), [k for k in state_keys if not is_adapter_name(k)][:5]
-    export = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", ckpt, str(tmp_path / "hf")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert export.returncode == 2 and "is a LoRA run's checkpoint: it holds the adapters only" in export.stdout, export.stdout
+    from megablocks_utils.tools import export
+
+    assert export.main([ckpt, str(tmp_path / "hf")]) == 2  # the command's entry point, in this process
+    printed = capsys.readouterr().out
+    assert "is a LoRA run's checkpoint: it holds the adapters only" in printed, printed
 
     out = str(tmp_path / "resumed")
     train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, *LORA_ARGS, "--resume", ckpt)

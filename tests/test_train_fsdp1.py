@@ -146,13 +146,15 @@ def test_export_equals_fsdp2_export(runs):
 
 
 def test_export_command_on_a_trainer_checkpoint_equals_the_live_export(runs):
-    """`python -m megablocks_utils.tools.export checkpoint-N out` on the final Trainer checkpoint = final/."""
+    """`python -m megablocks_utils.tools.export checkpoint-N out` (its entry point, in this process; test_checkpoint runs
+    the command itself) on the final Trainer checkpoint = final/."""
     from safetensors.torch import load_file
+
+    from megablocks_utils.tools import export
 
     out = str(runs["tmp"] / "exported")
     checkpoint = os.path.join(runs["fsdp1"], "checkpoint-4")
-    result = subprocess.run([sys.executable, "-m", "megablocks_utils.tools.export", checkpoint, out], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert export.main([checkpoint, out]) == 0
 
     def tensors(folder):
         return {k: v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors") for k, v in load_file(os.path.join(folder, f)).items()}
