@@ -218,10 +218,11 @@ def _exchanged_rows_through_the_kernels(rank: int, world_size: int, chunks: int)
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_rows_from_the_all_to_all_reach_the_kernels(monkeypatch, chunks):
-    """At ep 2 (two gloo ranks) the rows the all-to-all brings back go straight into the combine's kernel. They arrive
-    as a collective's result whose storage is empty until waited on: the kernel read address 0 (an illegal memory
-    access on GPUs, an error here). Through the kernels, whole or in chunks, each token gets the weighted sum of its
-    experts' outputs, and x and top_w the gradients that sum implies, as the eager path gives them."""
+    """At ep 2 (two gloo ranks) the rows the all-to-all brings back go straight into the combine's kernel, so
+    ``exchange`` must hand them over waited on: a functional collective's result not yet waited on has empty storage,
+    and the kernel read address 0 (an illegal memory access on GPUs, an error here). Through the kernels, whole or in
+    chunks, each token gets the weighted sum of its experts' outputs, and x and top_w the gradients that sum implies,
+    as the eager path gives them."""
     from tests.conftest import run_ranks
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned ranks when they import Triton

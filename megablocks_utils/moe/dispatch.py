@@ -154,7 +154,8 @@ def exchange(
     """Each chunk's rows (expert order) to the ep ranks owning their experts, through ``compute`` (rows grouped
     by local expert, rows per local expert) there, and back: the outputs in the order the rows were sent.
     ``local`` experts per rank. One count exchange and host sync for all chunks; with several chunks every chunk's
-    rows are sent before the first chunk's experts run, so that a chunk's all-to-all runs beside another's experts."""
+    rows are sent before the first chunk's experts run, so that a chunk's all-to-all runs beside another's experts.
+    The outputs are waited on (plain tensors with their data): a Triton kernel may read them (gather_kernels.py)."""
     chunks = len(routed)
     # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
     send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)

@@ -23,9 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-# AsyncCollectiveTensor is what torch's functional collectives return; torch exposes no public type to test for it.
-from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
-
 # Block sizes chosen, not yet tuned on a GPU (bench/kernel_bench.py --pieces gathers times them):
 _FORWARD_BLOCK = 2048  # columns per program in the forward kernels: 8 warps x 32 threads x 8 (16-byte bf16 loads)
 _BACKWARD_TILE = 4096  # k_block x columns per step of the backward kernel: 16 elements per thread of 8 warps
@@ -89,13 +86,6 @@ def _combine_backward_kernel(dy_ptr, rows_ptr, copy_row_ptr, w_ptr, d_rows_ptr, 
         tl.store(d_w_ptr + token * K + j, tl.sum(dots, axis=1).to(d_w_ptr.dtype.element_ty), mask=j_mask)
 
 
-def _in_memory(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its own data: a functional collective's result (``dispatch.exchange``'s all-to-all returns one at
-    ep > 1) is a wrapper whose storage is empty until it is waited on, and a Triton kernel given it reads from address 0
-    (on a GPU: "an illegal memory access"). Waiting makes the current stream wait for the collective."""
-    return wait_tensor(t) if isinstance(t, AsyncCollectiveTensor) else t
-
-
 def _forward_launch(H: int) -> tuple[int, int, int]:
     """(column blocks per token, columns per block, warps): a block of up to 2048 columns, 8 columns per thread."""
     block = min(triton.next_power_of_2(H), _FORWARD_BLOCK)
@@ -105,7 +95,7 @@ def _forward_launch(H: int) -> tuple[int, int, int]:
 def gather_sum(rows: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Tensor:
     """[tokens * k, H] -> [tokens, H]: row t the fp32 sum of rows ``copy_row[t * k : (t + 1) * k]``, in ``rows.dtype``
     (``dispatch._gather_sum``)."""
-    rows, copy_row = _in_memory(rows).contiguous(), _in_memory(copy_row).contiguous()
+    rows, copy_row = rows.contiguous(), copy_row.contiguous()
     num_tokens, hidden = copy_row.numel() // k, rows.shape[-1]
     out = rows.new_empty(num_tokens, hidden)
     if out.numel() == 0:
@@ -119,7 +109,7 @@ def gather_sum(rows: torch.Tensor, copy_row: torch.Tensor, k: int) -> torch.Tens
 def combine(rows: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[tokens * k, H] -> [tokens, H] in ``dtype``: each token's k rows (``copy_row``) weighted by ``top_w`` [tokens, k]
     and summed, in fp32 (``dispatch._gather_combine``)."""
-    rows, copy_row, top_w = (_in_memory(t).contiguous() for t in (rows, copy_row, top_w))
+    rows, copy_row, top_w = (t.contiguous() for t in (rows, copy_row, top_w))
     (num_tokens, k), hidden = top_w.shape, rows.shape[-1]
     out = rows.new_empty(num_tokens, hidden, dtype=dtype)
     if out.numel() == 0:
@@ -135,8 +125,8 @@ def combine_backward(dy: torch.Tensor, copy_row: torch.Tensor, top_w: torch.Tens
     """The gradients of ``combine`` for ``dy`` [tokens, H], each only where asked: the rows' ([row count, H] in the dtype
     of ``d_rows_like``; None without it) and ``top_w``'s (in its dtype; None without ``rows``, which it reads). Rows
     that no copy points to get zeros."""
-    dy, copy_row, top_w = (_in_memory(t).contiguous() for t in (dy, copy_row, top_w))
-    rows = _in_memory(rows).contiguous() if rows is not None else None
+    dy, copy_row, top_w = (t.contiguous() for t in (dy, copy_row, top_w))
+    rows = rows.contiguous() if rows is not None else None
     (num_tokens, k), hidden = top_w.shape, dy.shape[-1]
     d_rows = None
     if d_rows_like is not None:

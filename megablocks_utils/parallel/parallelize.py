@@ -79,7 +79,7 @@ def parallelize(
 # before its backward (one layer's weights unsharded at a time, the least memory). "model": the whole model one unit,
 # gathered once per micro-step and kept unsharded through its backward: all dense weights in bf16 at once, but no
 # per-layer FSDP hooks, which on the host cost ~1.5 ms a layer forward and ~1.2 ms backward at ep 2 (2 x H200,
-# Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_summary.py).
+# Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_gaps.py, bench/reports/ep2_host_h200x2_2026-11-27.md).
 FSDP_WRAPS = ("layer", "model")
 
 
