@@ -178,7 +178,7 @@ def phases(args, script_args: list[str]) -> None:
         if len(steps) == args.wait + args.active:
             if args.host_profile:
                 host_profile.disable()
-                report_host_profile(host_profile)
+                report_host_profile(host_profile, f"{os.path.splitext(args.out)[0]}.rank{os.environ.get('RANK', '0')}.pstats")
             if args.sync_debug:
                 torch.cuda.set_sync_debug_mode(0)
                 print(f"host syncs in one step: {sum(syncs.values())}", flush=True)
@@ -222,11 +222,13 @@ def route(args) -> None:
         route_loaded_models(args.routing)
 
 
-def report_host_profile(prof) -> None:
+def report_host_profile(prof, path: str) -> None:
     """The functions that took the most host time in the profiled step, by own time and with their callees (cProfile
-    adds ~1 us per Python call, so Python-heavy paths look slower than they are: read the ranking, not the sums)."""
+    adds ~1 us per Python call, so Python-heavy paths look slower than they are: read the ranking, not the sums). The
+    whole profile goes to ``path`` (``python -m pstats``), next to ``--out``, one per rank."""
     import pstats
 
+    prof.dump_stats(path)
     for order in ("tottime", "cumulative"):
         stream = io.StringIO()
         pstats.Stats(prof, stream=stream).sort_stats(order).print_stats(50)

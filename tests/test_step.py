@@ -44,7 +44,7 @@ def samples(vocab: int, n: int = 8) -> list[dict]:
     return found
 
 
-def check_step_loss_is_one_process_step(rank, world, ep_size, chunked):
+def check_step_loss_is_one_process_step(rank, world, ep_size, chunked, fsdp_wrap):
     config = tiny_mixtral_config()
     coef = spec_for(config).aux_loss_coef(config)
     torch.manual_seed(0)
@@ -67,13 +67,17 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked):
     if chunked:  # as the scripts: before FSDP; 5-row chunks, so a rank's 2 x 16 rows end in a short chunk
         assert install_loss_head(model) == ""
         model.lm_head.chunk_rows = 5
-    parallelize(model, mesh, param_dtype=torch.float32, device="cpu")
+    parallelize(model, mesh, param_dtype=torch.float32, device="cpu", fsdp_wrap=fsdp_wrap)
     assert isinstance(model.lm_head, LossHead) == chunked
     step_loss = StepLoss(1, label_tokens, len(micro_steps), aux_coef=coef, group=mesh.world.get_group(), device="cpu")
     for i, rows in enumerate(micro_steps):
         set_gradient_sync(model, mesh, i == len(micro_steps) - 1)
         loss, _ = step_loss.micro_batch(model, collate(rows[2 * rank : 2 * rank + 2], 0, "cpu", LENGTH))
         loss.backward()
+        # The root unit (embeddings, head; every dense weight with fsdp_wrap "model") stays gathered from one
+        # micro-step to the next (one all-gather a step), and is sharded again after the step's last backward.
+        last = i == len(micro_steps) - 1
+        assert isinstance(model.get_parameter("model.embed_tokens.weight"), DTensor) == last, (i, fsdp_wrap)
     grad_norm = clip_grad_norm_(model.parameters(), float("inf"))
     assert step_loss.check(NonFiniteSteps("stop", 5), grad_norm) is False
     sums = step_loss.sums
@@ -88,6 +92,6 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked):
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked_loss"])
-@pytest.mark.parametrize("ep_size", [1, 2], ids=["dp2", "ep2"])
-def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(ep_size, chunked):
-    run_ranks(check_step_loss_is_one_process_step, 2, ep_size, chunked)
+@pytest.mark.parametrize("ep_size,fsdp_wrap", [(1, "layer"), (2, "layer"), (2, "model")], ids=["dp2", "ep2", "ep2-model-unit"])
+def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(ep_size, fsdp_wrap, chunked):
+    run_ranks(check_step_loss_is_one_process_step, 2, ep_size, chunked, fsdp_wrap)

@@ -168,6 +168,11 @@ def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) ->
     when that means an all-reduce over dp replicas (``shard_experts`` off): waiting would keep every
     layer's unsharded fp32 expert gradient alive across micro-steps, the very memory that sharding
     saves (measured on the full Mixtral: it does not fit 4 x H200 with it).
+
+    The root unit (the model itself: embeddings and head, or every dense weight with ``fsdp_wrap`` "model") is
+    gathered through each micro-step's forward and backward anyway; it stays gathered from one micro-step to the
+    next and reshards after the step's last backward: one all-gather a step instead of one a micro-step, and no
+    more memory at the peak (which falls inside a micro-step).
     """
     experts = {id(block.experts) for block in moe_blocks(model)}
     experts_every_step = mesh.expert_shard_size > 1 or mesh.experts["dp_replicate"].size() == 1
@@ -175,3 +180,5 @@ def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) ->
         if isinstance(module, FSDPModule):
             every_step = id(module) in experts and experts_every_step
             module.set_requires_gradient_sync(last_micro_step or every_step, recurse=False)
+            if module is model:
+                module.set_reshard_after_backward(last_micro_step, recurse=False)
