@@ -151,6 +151,7 @@ from megablocks_utils import (  # noqa: E402
     spec_for,
 )
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
+from megablocks_utils.model.export import export_hf  # noqa: E402
 from megablocks_utils.model.lora import (  # noqa: E402
     add_lora,
     merge_adapters,
@@ -166,7 +167,6 @@ from megablocks_utils.parallel.parallelize import (  # noqa: E402
     parallelize,
     set_gradient_sync,
 )
-from megablocks_utils.tools.export import export_hf  # noqa: E402
 from megablocks_utils.train.checkpoint import (  # noqa: E402
     checkpoint_step,
     complete_checkpoints,

@@ -40,7 +40,7 @@ def write(directory: str, layers: int, hidden: int, intermediate: int, **config_
     from transformers import MixtralConfig
 
     from megablocks_utils.model.architectures import MOE_SPECS
-    from megablocks_utils.tools.export import expert_hub_names, write_index
+    from megablocks_utils.model.export import expert_hub_names, write_index
 
     spec = MOE_SPECS["mixtral"]
     config = MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,

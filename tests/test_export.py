@@ -15,8 +15,8 @@ from megablocks_utils import (
     router_stats,
     spec_for,
 )
+from megablocks_utils.model.export import export_hf
 from megablocks_utils.parallel.parallelize import parallelize
-from megablocks_utils.tools.export import export_hf
 
 
 def check_export_round_trip(rank, world, ep_size, out, arch="mixtral"):

@@ -11,9 +11,9 @@ from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_con
 
 from megablocks_utils import load_model, spec_for
 from megablocks_utils.errors import InputError
+from megablocks_utils.model.export import hub_state_dict, write_shards
 from megablocks_utils.model.loading import Checkpoint, check_model_dir
 from megablocks_utils.parallel.mesh import check_ep_size
-from megablocks_utils.tools.export import hub_state_dict, write_shards
 
 EXPERT_NAME = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.\w+\.weight$")
 
@@ -131,7 +131,7 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
     """transformers' own save_pretrained writes the hub layout; our exporter's names must be the same."""
     from transformers import AutoModelForCausalLM
 
-    from megablocks_utils.tools.export import hub_state_dict
+    from megablocks_utils.model.export import hub_state_dict
 
     paths = {}
     for arch in ARCHITECTURES:

@@ -1,5 +1,6 @@
 """The package's shape: its modules import one another without a circle, the distributed pieces (``parallel/``)
-import nothing of the training loop (``train/``), and no class or top-level function grows past a screenful.
+import nothing of the training loop (``train/``), nothing outside ``tools/`` imports a command, and no class or
+top-level function grows past a screenful.
 
 Read from the source with ``ast``, nothing imported. An import counts wherever it stands: at the top of a
 module or inside a function (a lazy import, made there to keep a light module light or a Triton kernel off
@@ -119,6 +120,19 @@ def test_parallel_does_not_import_train():
         if target.startswith(f"{PACKAGE}.train.")
     )
     assert not ties, "parallel/ imports train/ (move the piece it needs down, or invert the tie): " + "; ".join(ties)
+
+
+def test_only_tools_import_tools():
+    """``tools/`` holds command-line entry points only: a piece that another room needs lives in that room."""
+    tools = f"{PACKAGE}.tools"
+    ties = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if not (module == tools or module.startswith(f"{tools}."))
+        for target in targets
+        if target == tools or target.startswith(f"{tools}.")
+    )
+    assert not ties, "a module outside tools/ imports a command (move the piece it needs into the room that owns it): " + "; ".join(ties)
 
 
 def test_no_class_or_function_of_150_lines_or_more():

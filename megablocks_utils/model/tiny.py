@@ -62,7 +62,7 @@ def make_tiny_mixtral(out_dir: str, data_path: str, seed: int = 0, num_files: in
     """
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from megablocks_utils.tools.export import hub_state_dict, write_shards
+    from megablocks_utils.model.export import hub_state_dict, write_shards
 
     tokenizer = train_tokenizer(data_path)
     config = MixtralConfig(

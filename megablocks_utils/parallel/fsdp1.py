@@ -25,8 +25,8 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 from megablocks_utils.config.inputs import fsdp_requested
+from megablocks_utils.model.export import export_hf
 from megablocks_utils.parallel.mesh import MoEMesh
-from megablocks_utils.tools.export import export_hf
 
 
 def fsdp_on_cpu(accelerator) -> bool:
