@@ -13,6 +13,7 @@ compare against (bench/kernel_bench.py, tests/gpu/test_gather_kernels.py).
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from megablocks_utils.moe.fused import fused
@@ -158,25 +159,48 @@ def exchange(
     The outputs are waited on (plain tensors with their data): a Triton kernel may read them (gather_kernels.py)."""
     chunks = len(routed)
     # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
-    send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1)
-    recv = _all_to_all(send.reshape(-1), [chunks * local] * ep, [chunks * local] * ep, group, True).view(ep, chunks, local)
-    # Rows per chunk and peer rank, sent and received ([c][rank] each): the one host sync of the layer.
-    send_splits, recv_splits = torch.stack([send.sum(-1).T, recv.sum(-1).T]).tolist()
+    send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1).reshape(-1)
+    recv = _all_to_all(send, [chunks * local] * ep, [chunks * local] * ep, group, True)
+    # Every count sent and received, read at once: the one host sync of the layer. The host then works out the splits
+    # and each chunk's regrouping from these few numbers, where the GPU would take a dozen launches and a sort.
+    sent, received_counts = torch.cat([send, recv]).cpu().numpy().reshape(2, ep, chunks, local)
+    send_splits, recv_splits = sent.sum(-1).T.tolist(), received_counts.sum(-1).T.tolist()  # [c][rank]
     received = [_AllToAll.apply(rows, recv_splits[c], send_splits[c], group, chunks == 1) for c, rows in enumerate(routed)]
     outs = []
     for c in range(chunks):
-        recv_counts = recv[:, c, :].reshape(-1)  # source-major: [s * local + e]
         # Received rows are source-major; the experts want them expert-major.
-        rows = sum(recv_splits[c])
-        slot = torch.repeat_interleave(torch.arange(ep * local, device=recv_counts.device), recv_counts.to(torch.long), output_size=rows)
-        regroup = torch.argsort(narrow_keys((slot % local) * ep + slot // local, ep * local), stable=True)
-        inverse = torch.empty_like(regroup).scatter_(0, regroup, torch.arange(rows, device=regroup.device))
+        regroup, inverse, expert_counts = _regroup(received_counts[:, c, :], recv.device)
         if chunks > 1:
             wait_for(received[c])
-        expert_out = compute(_Permute.apply(received[c], regroup, inverse), recv[:, c, :].sum(0))
+        expert_out = compute(_Permute.apply(received[c], regroup, inverse), expert_counts)
         source_major = _Permute.apply(expert_out, inverse, regroup)
         outs.append(_AllToAll.apply(source_major, send_splits[c], recv_splits[c], group, True))
     return outs
+
+
+def regroup_order(recv_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows received source-major (``recv_counts[s, e]`` rows from rank s for local expert e, in block (s, e)) put
+    expert-major (block (e, s)), keeping each block's order: ``regroup`` (expert-major row p is received row
+    ``regroup[p]``) and its inverse (received row i goes to ``inverse[i]``)."""
+    ep, local = recv_counts.shape
+    by_source = recv_counts.reshape(-1)
+    by_expert = recv_counts.T.reshape(-1)
+    source_start = np.cumsum(by_source) - by_source  # block (s, e)'s first row, source-major
+    expert_start = (np.cumsum(by_expert) - by_expert).reshape(local, ep).T.reshape(-1)  # and expert-major
+    rows = int(by_source.sum())
+    inverse = np.arange(rows, dtype=np.int64) + np.repeat(expert_start - source_start, by_source)
+    regroup = np.empty_like(inverse)
+    regroup[inverse] = np.arange(rows, dtype=np.int64)
+    return regroup, inverse
+
+
+def _regroup(recv_counts: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``regroup_order`` and the rows per local expert, on ``device`` in one copy (asynchronous from page-locked
+    memory on CUDA: torch's pinned-memory cache keeps the buffer until the copy has run)."""
+    regroup, inverse = regroup_order(recv_counts)
+    host = torch.from_numpy(np.concatenate([regroup, inverse, recv_counts.sum(0).astype(np.int64)]))
+    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return on_device.split([len(regroup), len(inverse), recv_counts.shape[1]])
 
 
 def _weigh(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
