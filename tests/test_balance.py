@@ -86,10 +86,11 @@ def _train(model_dir, coeff, rank, world):
 def check_balancing(rank, world, model_dir, root):
     from megablocks_utils import build_mesh, load_model
     from megablocks_utils.model.build import moe_blocks
-    from megablocks_utils.model.export import export_from_checkpoint, export_hf
+    from megablocks_utils.model.export import export_hf
     from megablocks_utils.moe.balance import add_routing_bias, routing_bias_exported
     from megablocks_utils.parallel.parallelize import parallelize
     from megablocks_utils.train.checkpoint import load_checkpoint, save_checkpoint
+    from megablocks_utils.train.checkpoint_export import export_from_checkpoint
 
     _, _, _, without = _train(model_dir, 0.0, rank, world)
     model, mesh, optimizer, balanced = _train(model_dir, COEFF, rank, world)

@@ -1,10 +1,10 @@
 """``python -m megablocks_utils.tools.export CHECKPOINT OUT``: a training checkpoint as a Hugging Face model in hub
-layout. The command line only; the writing is ``model/export.export_from_checkpoint``."""
+layout. The command line only; the writing is ``train/checkpoint_export.export_from_checkpoint``."""
 
 import torch
 
 from megablocks_utils.errors import CheckpointError
-from megablocks_utils.model.export import export_from_checkpoint
+from megablocks_utils.train.checkpoint_export import export_from_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
