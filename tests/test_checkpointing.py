@@ -40,10 +40,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def train_step(reference, mode, rank, layers=-1, experts=False):
-    """One forward and backward of a fresh ep=2 copy; the backward runs under an op counter."""
+def train_step(reference, mode, rank, layers=-1, experts=False, chunks=1):
+    """One forward and backward of a fresh ep=2 copy (tokens in ``chunks`` overlap chunks); the backward runs under an
+    op counter."""
     model = copy.deepcopy(reference)
-    mesh = shard_moe(model, 2, device="cpu")
+    mesh = shard_moe(model, 2, device="cpu", overlap_chunks=chunks)
     apply_activation_checkpointing(model, mode, layers, experts)
     flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
     chosen = checkpointed_layers(len(flags), layers) if mode != "none" else []
@@ -79,8 +80,11 @@ def check_modes(rank, world):
     runs["selective on 2"] = train_step(reference, "selective", rank, layers=2)
     runs["experts"] = train_step(reference, "none", rank, experts=True)
     runs["full on 1, experts"] = train_step(reference, "full", rank, layers=1, experts=True)
+    runs["none, 2 chunks"] = train_step(reference, "none", rank, chunks=2)
+    runs["selective, 2 chunks"] = train_step(reference, "selective", rank, chunks=2)
     loss, grads, none_ops, _ = runs["none"]
-    for mode in ("full", "selective", "full on 1", "selective on 2", "experts", "full on 1, experts"):
+    for mode in ("full", "selective", "full on 1", "selective on 2", "experts", "full on 1, experts", "none, 2 chunks",
+                 "selective, 2 chunks"):
         mode_loss, mode_grads, _, recorded = runs[mode]
         assert rel_err(mode_loss, loss) <= TOL, (mode, mode_loss, loss)
         assert mode_grads.keys() == grads.keys()
@@ -114,11 +118,15 @@ def check_modes(rank, world):
     mixed = runs["full on 1, experts"][2]  # layer 1 whole, layers 0 and 2 their experts
     assert mixed.total(*MATMULS) == none_ops.total(*MATMULS) + layer_gemms + 2 * expert_gemms
     assert mixed.total(a2a) == none_ops.total(a2a) + 3 * layers
+    # overlap_chunks: selective replays each chunk's all-to-alls and GEMMs from the forward too.
+    chunked_none, chunked_selective = runs["none, 2 chunks"][2], runs["selective, 2 chunks"][2]
+    assert chunked_selective.total(a2a) == chunked_none.total(a2a), "selective communicated in the recompute (2 chunks)"
+    assert chunked_selective.total(*MATMULS) == chunked_none.total(*MATMULS), "selective recomputed GEMMs (2 chunks)"
 
 
 def test_full_and_selective_match_no_checkpointing_on_ep2():
     """2 gloo ranks, ep=2, fp32: loss and every gradient equal, on all layers and on a count of them, and with the
-    experts' recompute alone or beside full layers; selective replays GEMMs and all-to-alls from the forward, full
+    experts' recompute alone or beside full layers, and with the tokens in 2 overlap chunks; selective replays GEMMs and all-to-alls from the forward, full
     recomputes each checkpointed layer's GEMMs and all-to-alls once, the experts' recompute only the expert GEMMs and
     the all-to-alls; no router recording."""
     run_ranks(check_modes, 2)
