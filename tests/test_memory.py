@@ -140,6 +140,12 @@ def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fi
     assert resolve("model", plan, 11 * GiB, world_size=4, ep=2) == "model"  # as asked (the fit check then says)
 
 
+def test_fsdp_wrap_settings_are_auto_and_the_units_parallelize_builds():
+    from megablocks_utils.parallel.parallelize import FSDP_WRAPS
+
+    assert memory_plan.FSDP_WRAP_SETTINGS == ("auto", *FSDP_WRAPS)
+
+
 def test_chunked_loss_holds_one_chunk_of_logits():
     """A micro-batch longer than a chunk holds one chunk's logits (train/loss.py's loss_chunk_rows), not its own."""
     from megablocks_utils.train.loss import loss_chunk_rows
@@ -289,6 +295,18 @@ def test_fit_error_suggests_settings_that_do_fit():
     if gpus:
         assert _mixtral_80(world_size=int(gpus.group(1))).total <= budget
     assert fit_error(_mixtral_80(optim="adamw_bf16", activation_checkpointing="full"), budget) is None
+
+
+def test_fit_error_offers_per_layer_units_where_the_whole_model_unit_does_not_fit():
+    model_unit = _mixtral_80(optim="adamw_bf16", activation_checkpointing="full", fsdp_wrap="model")
+    layer_units = _mixtral_80(optim="adamw_bf16", activation_checkpointing="full", fsdp_wrap="layer")
+    assert layer_units.total < model_unit.total
+    budget = (layer_units.total + model_unit.total) / 2
+    message = fit_error(model_unit, budget)
+    assert "fsdp_wrap model" in message  # the plan it refuses
+    offered = re.search(r"--fsdp_wrap layer \(([\d.]+) GiB\)", message)
+    assert offered and float(offered.group(1)) == pytest.approx(layer_units.total / GiB, abs=0.05), message
+    assert "--fsdp_wrap" not in (fit_error(_mixtral_80(fsdp_wrap="layer"), 80 * GiB) or "")
 
 
 def _cli(*args):

@@ -25,6 +25,7 @@ from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import SettingsError
 from megablocks_utils.model.attention import KERNELS
 from megablocks_utils.parallel.activation_checkpointing import ACTIVATION_CHECKPOINTING
+from megablocks_utils.train.memory_plan import FSDP_WRAP_SETTINGS
 from megablocks_utils.train.nonfinite import MODES
 from megablocks_utils.train.optim import OPTIMIZERS
 
@@ -97,7 +98,7 @@ RULES = {
     "shard_experts": Choice(("auto", "true", "false"), bare="true"),
     "cuda_graphs": Choice(("auto", "true", "false"), bare="true"),
     "moe_backend": Choice(("native", "megablocks")),
-    "fsdp_wrap": Choice(("auto", "layer", "model")),
+    "fsdp_wrap": Choice(FSDP_WRAP_SETTINGS),
     "dtype": Choice(("auto", "bf16", "fp32")),
     "activation_checkpointing": Choice((*ACTIVATION_CHECKPOINTING, "true", "false"), bare="full"),
     "activation_checkpointing_layers": Number(low=0, special=-1, special_means="every decoder layer"),

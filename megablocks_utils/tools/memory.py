@@ -16,6 +16,7 @@ from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import InputError
 from megablocks_utils.train.memory_plan import (
     DEFAULTS,
+    FSDP_WRAP_SETTINGS,
     GiB,
     OPTIM_BYTES,
     checkpointing_hint,
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked_loss", default=str(DEFAULTS["chunked_loss"]).lower(), help="true or false: the loss over chunks of rows")
     parser.add_argument("--checkpoint_experts", default=str(DEFAULTS["checkpoint_experts"]).lower(),
                         help="true or false: recompute the routed experts of the layers not checkpointed")
-    parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=["auto", "layer", "model"],
+    parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=FSDP_WRAP_SETTINGS,
                         help="FSDP units of the dense weights: each decoder layer, the whole model at once, or auto (train_fsdp2.py's rule)")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:

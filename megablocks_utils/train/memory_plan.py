@@ -679,6 +679,7 @@ def _settings_text(e: MemoryEstimate) -> str:
         f"{p.world_size} GPUs, ep {e.ep}, optim {p.optim}, shard_experts {str(e.shard_experts).lower()}, "
         f"activation_checkpointing {checkpointing_text(e)}, micro batch {p.per_device_train_batch_size} x {p.max_length} tokens"
         + (f", gradient_accumulation_steps {p.gradient_accumulation_steps}" if p.gradient_accumulation_steps > 1 else "")
+        + (", fsdp_wrap model" if p.fsdp_wrap == "model" else "")
     )
 
 
@@ -794,6 +795,8 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
         offer("--gradient_accumulation_steps 1", gradient_accumulation_steps=1)
     if not e.shard_experts:
         offer("--shard_experts true", shard_experts=True)
+    if p.fsdp_wrap == "model":  # each layer's dense weights gathered when used, not all at once
+        offer("--fsdp_wrap layer", fsdp_wrap="layer")
     if not found:  # no single change is enough: all of them at once
         smallest = min(OPTIM_BYTES, key=lambda o: sum(OPTIM_BYTES[o]))
         now = dict(optim=p.optim, activation_checkpointing=e.checkpointing, per_device_train_batch_size=p.per_device_train_batch_size,
@@ -824,6 +827,11 @@ def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
         f"{_gib(gpu_memory_bytes)} each GPU has. Settings that fit: {fixes}. "
         f"Breakdown: python -m megablocks_utils.tools.memory (docs/memory.md)"
     )
+
+
+# The ``fsdp_wrap`` setting's values: "auto" (``resolve_fsdp_wrap``) and the units parallelize builds
+# (parallel/parallelize.FSDP_WRAPS, which tests/test_memory.py holds these to).
+FSDP_WRAP_SETTINGS = ("auto", "layer", "model")
 
 
 def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], gpu_memory_bytes: float, world_size: int,
