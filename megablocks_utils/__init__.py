@@ -33,9 +33,9 @@ _MODULE_OF = {
     "ExpertParallelExperts": "moe.layer",
     "ExpertParallelMoE": "moe.layer",
     "TopKRouter": "moe.router",
-    "expert_parameters": "model.build",
+    "expert_parameters": "moe.blocks",
     "load_model": "model.build",
-    "moe_blocks": "model.build",
+    "moe_blocks": "moe.blocks",
     "shard_moe": "model.build",
 }
 __all__ = sorted(_MODULE_OF)

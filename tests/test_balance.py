@@ -57,7 +57,7 @@ def _train(model_dir, coeff, rank, world):
         load_model,
         router_stats,
     )
-    from megablocks_utils.model.build import moe_blocks
+    from megablocks_utils.moe.blocks import moe_blocks
     from megablocks_utils.moe.balance import add_routing_bias, update_routing_bias
     from megablocks_utils.parallel.parallelize import parallelize
 
@@ -85,7 +85,7 @@ def _train(model_dir, coeff, rank, world):
 
 def check_balancing(rank, world, model_dir, root):
     from megablocks_utils import build_mesh, load_model
-    from megablocks_utils.model.build import moe_blocks
+    from megablocks_utils.moe.blocks import moe_blocks
     from megablocks_utils.model.export import export_hf
     from megablocks_utils.moe.balance import add_routing_bias, routing_bias_exported
     from megablocks_utils.parallel.parallelize import parallelize

@@ -11,10 +11,9 @@ from conftest import tiny_moe_config
 
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
-from megablocks_utils.model.build import expert_options, load_model
+from megablocks_utils.model.build import check_megablocks_model, expert_options, load_model
 from megablocks_utils.model.loading import check_model_dir
 from megablocks_utils.moe.layer import ExpertParallelExperts
-from megablocks_utils.moe.megablocks_backend import check_megablocks_model
 from megablocks_utils.moe.router import TopKRouter
 
 TOL = 1e-5

@@ -1,6 +1,7 @@
-"""The package's shape: its modules import one another without a circle, the model (``model/``) and the
-distributed pieces (``parallel/``) import nothing of the training loop (``train/``), nothing outside ``tools/``
-imports a command, and no class or top-level function grows past a screenful.
+"""The package's shape: its modules import one another without a circle, the MoE layer (``moe/``), the model
+(``model/``) and the distributed pieces (``parallel/``) import nothing of the training loop (``train/``), ``moe/``
+imports nothing of ``model/`` (which is built from it), nothing outside ``tools/`` imports a command, and no class
+or top-level function grows past a screenful.
 
 Read from the source with ``ast``, nothing imported. An import counts wherever it stands: at the top of a
 module or inside a function (a lazy import, made there to keep a light module light or a Triton kernel off
@@ -111,18 +112,30 @@ def test_package_imports_have_no_cycle():
     assert cycle is None, "modules of megablocks_utils import each other in a circle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("room", ["parallel", "model"])
-def test_lower_room_does_not_import_train(room):
-    """The model and how it is spread over GPUs stand below the training loop: what one of them needs of
-    ``train/`` moves down, or the piece that needs both moves up into ``train/`` (as ``train/checkpoint_export``)."""
-    ties = sorted(
+def room_ties(room: str, above: str) -> list[str]:
+    """Each import from a module of ``room/`` into ``above/``, as "module -> target"."""
+    return sorted(
         f"{module} -> {target}"
         for module, targets in import_graph().items()
         if module.startswith(f"{PACKAGE}.{room}.")
         for target in targets
-        if target.startswith(f"{PACKAGE}.train.")
+        if target.startswith(f"{PACKAGE}.{above}.")
     )
+
+
+@pytest.mark.parametrize("room", ["parallel", "model", "moe"])
+def test_lower_room_does_not_import_train(room):
+    """The MoE layer, the model and how it is spread over GPUs stand below the training loop: what one of them needs
+    of ``train/`` moves down, or the piece that needs both moves up into ``train/`` (as ``train/checkpoint_export``)."""
+    ties = room_ties(room, "train")
     assert not ties, f"{room}/ imports train/ (move the piece it needs down, or the piece that needs both up): " + "; ".join(ties)
+
+
+def test_moe_does_not_import_model():
+    """``model/`` is built from ``moe/``'s layers, so ``moe/`` stands below it: which modules are MoE blocks is
+    ``moe/blocks``', and a check of a model-table row is ``model/``'s."""
+    ties = room_ties("moe", "model")
+    assert not ties, "moe/ imports model/ (move the piece it needs into moe/, or the piece that needs both up into model/): " + "; ".join(ties)
 
 
 def test_only_tools_import_tools():

@@ -2,7 +2,6 @@
 
 import os
 import re
-import weakref
 from datetime import timedelta
 
 import torch
@@ -13,12 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
 from megablocks_utils.model.attention import choose_attention
 from megablocks_utils.model.loading import Checkpoint, expert_layout, load_local_experts
+from megablocks_utils.moe.blocks import moe_blocks, remember_moe_blocks
 from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
-from megablocks_utils.moe.megablocks_backend import (
-    MegablocksExperts,
-    check_megablocks,
-    check_megablocks_model,
-)
+from megablocks_utils.moe.megablocks_backend import MegablocksExperts, check_megablocks
 from megablocks_utils.moe.router import TopKRouter
 from megablocks_utils.parallel.mesh import MoEMesh, build_mesh
 
@@ -33,21 +29,13 @@ def check_backend(moe_backend: str, device_type: str | None = None) -> None:
         check_megablocks(device_type)
 
 
-# shard_moe's blocks per model: the same objects under every later wrapper (checkpointing, compile, FSDP), read at every
-# forward (the router's recording hook, router_stats), where walking the whole module tree twice per micro-batch cost
-# host time the GPU waited for.
-_SHARDED_BLOCKS: "weakref.WeakKeyDictionary[nn.Module, list[ExpertParallelMoE]]" = weakref.WeakKeyDictionary()
-
-
-def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
-    if model in _SHARDED_BLOCKS:
-        return _SHARDED_BLOCKS[model]
-    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The expert weights: DTensors on the ep mesh (and, where FSDP shards them, on the whole expert mesh)."""
-    return [p for block in moe_blocks(model) for p in block.experts.parameters()]
+def check_megablocks_model(spec: MoESpec) -> None:
+    """megablocks' GLU has no expert biases, clamped SwiGLU or transposed/interleaved weights (gpt-oss)."""
+    if spec.expert_bias or spec.expert_act is not None or spec.experts_transposed or spec.gate_up_interleaved:
+        raise ValueError(
+            f"moe_backend='megablocks' does not support {spec.model_type}: its experts have biases and a clamped SwiGLU "
+            "on transposed, interleaved weights, which megablocks' GLU does not compute; use moe_backend='native'"
+        )
 
 
 def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -254,7 +242,7 @@ def shard_moe(
         new.experts.set_weights(*(_as_expert_dtensor(t, mesh) for t in tensors))
     if ckpt is not None:
         ckpt.close()
-    _SHARDED_BLOCKS[model] = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    remember_moe_blocks(model)
     model.register_forward_pre_hook(_start_recording_router)
     # transformers' own aux loss would look for its router class's outputs and find none; ours is
     # computed over the global token set by aux_loss.router_stats instead.

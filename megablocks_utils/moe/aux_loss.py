@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megablocks_utils.model.build import moe_blocks
+from megablocks_utils.moe.blocks import moe_blocks
 
 
 @dataclass

@@ -17,7 +17,7 @@ routes without it.
 import torch
 from torch import nn
 
-from megablocks_utils.model.build import moe_blocks
+from megablocks_utils.moe.blocks import moe_blocks
 from megablocks_utils.moe.router import TopKRouter
 
 

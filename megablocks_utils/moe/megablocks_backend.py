@@ -34,7 +34,6 @@ import importlib.util
 import torch
 from torch import nn
 
-from megablocks_utils.model.architectures import MoESpec
 from megablocks_utils.moe.layer import ExpertParallelExperts
 from megablocks_utils.parallel.mesh import MoEMesh
 
@@ -63,15 +62,6 @@ def check_megablocks(device_type: str | None = None) -> None:
         raise ImportError(
             "moe_backend='megablocks' needs the grouped_gemm package (megablocks' grouped MLP; its sparse MLP is refused "
             f"on triton >= 3.2), which is not installed; {INSTALL_HINT}"
-        )
-
-
-def check_megablocks_model(spec: MoESpec) -> None:
-    """megablocks' GLU has no expert biases, clamped SwiGLU or transposed/interleaved weights (gpt-oss)."""
-    if spec.expert_bias or spec.expert_act is not None or spec.experts_transposed or spec.gate_up_interleaved:
-        raise ValueError(
-            f"moe_backend='megablocks' does not support {spec.model_type}: its experts have biases and a clamped SwiGLU "
-            "on transposed, interleaved weights, which megablocks' GLU does not compute; use moe_backend='native'"
         )
 
 

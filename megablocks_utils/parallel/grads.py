@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megablocks_utils.model.build import expert_parameters
+from megablocks_utils.moe.blocks import expert_parameters
 from megablocks_utils.parallel.mesh import MoEMesh
 
 
