@@ -30,8 +30,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from megablocks_utils.model.architectures import decoder_layers
-from megablocks_utils.model.build import moe_blocks, shard_moe
+from megablocks_utils.model.build import shard_moe
 from megablocks_utils.model.lora import is_adapter_name
+from megablocks_utils.moe.blocks import moe_blocks
 from megablocks_utils.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
