@@ -58,7 +58,11 @@ def test_graphed_training_equals_eager_training(graph_runs, rows, attention):
     assert "cuda_graphs: captured the first micro-step" in log and "cuda_graphs: captured the later micro-step" in log
     eager = graph_runs[f"{rows}_eager"][0]
     assert len(graphed) == 8
-    assert graphed[0]["loss"] == eager[0]["loss"]  # both eager in the first step
+    # Both eager in the first step: the same computation, yet not always the same bits. The four runs share one GPU
+    # and each process tunes its compiled kernels under the others' load, so two eager processes may tile a reduction
+    # differently (packed varlen rows, 2 x H200: 6.281476 against 6.281468 (1.3e-6) in the eleventh session, passing when
+    # re-run; the test failed again in the twelfth, whose cut run printed no detail: not shown to be this line).
+    assert graphed[0]["loss"] == pytest.approx(eager[0]["loss"], rel=1e-5, abs=0)
     assert worst_relative(graphed, eager, "loss") <= 2e-3
     assert graphed[-1]["loss"] < graphed[0]["loss"]
 
