@@ -19,8 +19,8 @@
   hf_synthetic     transformers' own model (no FSDP, no EP: one GPU) on ours_synthetic's rows, sdpa (flex_attention
                    for a model without sdpa, gpt-oss's sinks; eager on CPU)
   hf_synthetic_flex  the same with flex_attention
-  ours_synthetic_model_wrap, ours_chat_model_wrap  ours_synthetic, ours_chat with --fsdp_wrap model (the dense weights one
-                   FSDP unit: no per-layer hooks)
+  ours_synthetic_layer_wrap, ours_chat_layer_wrap  ours_synthetic, ours_chat with --fsdp_wrap layer (each decoder layer
+                   its own FSDP unit: what auto's whole-model unit is measured against at ep = world size)
   ours_synthetic_full_logits, ours_chat_full_logits  ours_synthetic, ours_chat with --chunked_loss false (the loss from
                    full logits: the chunked loss's before/after in the same code)
   hf_sdpa          transformers' own model on ours_chat's packed rows, sdpa
@@ -99,7 +99,7 @@ SHRINK = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=32, n
 SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
-        "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
@@ -160,8 +160,8 @@ def ours(run: str, args, work: str) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     extra = {"ours_chat_flex": ["--attn_implementation", "flex_attention"], "ours_chat_varlen": ["--attn_implementation", "varlen"],
              "ours_chat_sdpa": ["--attn_implementation", "sdpa"], "ours_synthetic_full_logits": ["--chunked_loss", "false"],
-             "ours_chat_full_logits": ["--chunked_loss", "false"], "ours_synthetic_model_wrap": ["--fsdp_wrap", "model"],
-             "ours_chat_model_wrap": ["--fsdp_wrap", "model"]}.get(run, [])
+             "ours_chat_full_logits": ["--chunked_loss", "false"], "ours_synthetic_layer_wrap": ["--fsdp_wrap", "layer"],
+             "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"]}.get(run, [])
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
     # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).
