@@ -59,7 +59,7 @@ dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "b
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
-fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once per micro-step: no per-layer hooks on the host, more memory), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
+fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once, kept through the step: no per-layer hooks on the host, more memory), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 cuda_graphs = "auto"  # each micro-step replayed from a CUDA graph after 2 warm-up steps: "auto" (one GPU, where the step allows it), "true", "false"
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)

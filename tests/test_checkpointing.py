@@ -120,6 +120,7 @@ def check_modes(rank, world):
     assert mixed.total(a2a) == none_ops.total(a2a) + 3 * layers
     # overlap_chunks: selective replays each chunk's all-to-alls and GEMMs from the forward too.
     chunked_none, chunked_selective = runs["none, 2 chunks"][2], runs["selective, 2 chunks"][2]
+    assert chunked_none.total(a2a) == none_ops.total(a2a) + 2 * layers  # each layer's second chunk: its rows both ways
     assert chunked_selective.total(a2a) == chunked_none.total(a2a), "selective communicated in the recompute (2 chunks)"
     assert chunked_selective.total(*MATMULS) == chunked_none.total(*MATMULS), "selective recomputed GEMMs (2 chunks)"
 

@@ -191,7 +191,8 @@ def _exchanged_rows_through_the_kernels(rank: int, world_size: int, chunks: int)
     # Expert e multiplies its rows by e + 1: a row that reaches the wrong expert, or comes back to the wrong copy, shows.
     my_scale = torch.arange(rank * local, (rank + 1) * local, dtype=torch.float32) + 1
 
-    def compute(rows, counts):
+    def compute(rows, counts, counts_host):
+        assert counts.tolist() == counts_host
         return rows * torch.repeat_interleave(my_scale, counts, output_size=rows.shape[0]).unsqueeze(-1)
 
     def layer(fuse: bool):

@@ -142,8 +142,8 @@ def test_route_sorts_narrowed_keys_as_int64_ones(experts):
     assert narrow_keys(top_i, experts).dtype == expected
 
 
-@pytest.mark.parametrize("ep,local", [(1, 4), (2, 3), (4, 2), (2, 64), (3, 1)])
-def test_regroup_order_puts_received_rows_expert_major(ep, local):
+@pytest.mark.parametrize("ep,local,none", [(1, 4, False), (2, 3, False), (4, 2, False), (2, 64, False), (3, 1, False), (2, 3, True)])
+def test_regroup_order_puts_received_rows_expert_major(ep, local, none):
     """The exchange's regrouping, built on the host from the received counts: rows that arrive source-major (each
     rank's rows for my experts, in expert order) come out expert-major, each (expert, source) block in its order, some
     blocks empty; and the inverse undoes it."""
@@ -153,6 +153,8 @@ def test_regroup_order_puts_received_rows_expert_major(ep, local):
 
     counts = np.random.default_rng(ep * 100 + local).integers(0, 4, size=(ep, local))
     counts[0, 0] = 0
+    if none:  # a rank that receives no rows at all
+        counts[:] = 0
     labels = [(s, e, j) for s in range(ep) for e in range(local) for j in range(counts[s, e])]  # as they arrive
     regroup, inverse = regroup_order(counts)
     assert [labels[i] for i in regroup] == sorted(labels, key=lambda t: (t[1], t[0], t[2]))

@@ -20,12 +20,14 @@ from megablocks_utils import (
 )
 from megablocks_utils.data.batches import collate
 from megablocks_utils.parallel.parallelize import parallelize, set_gradient_sync
+from megablocks_utils.train.evaluate import eval_loss
 from megablocks_utils.train.loss import LossHead, install_loss_head
 from megablocks_utils.train.nonfinite import NonFiniteSteps
 from megablocks_utils.train.step import StepLoss
 
 TOL = 1e-5
-LENGTH = 16  # every row padded to it, as the scripts pad to max_length
+LENGTH = 16
+ROOT_WEIGHT = "model.embed_tokens.weight"  # one of the root FSDP unit's own weights  # every row padded to it, as the scripts pad to max_length
 
 
 def rel_err(a, b) -> float:
@@ -73,11 +75,13 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked, fsdp_wrap
     for i, rows in enumerate(micro_steps):
         set_gradient_sync(model, mesh, i == len(micro_steps) - 1)
         loss, _ = step_loss.micro_batch(model, collate(rows[2 * rank : 2 * rank + 2], 0, "cpu", LENGTH))
+        # The root unit (embeddings, head; every dense weight with fsdp_wrap "model"): with "model" gathered through the
+        # forward; with "layer" sharded after it (parallelize passes reshard_after_forward to the root too).
+        assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == (fsdp_wrap == "layer"), (i, fsdp_wrap)
         loss.backward()
-        # The root unit (embeddings, head; every dense weight with fsdp_wrap "model") stays gathered from one
-        # micro-step to the next (one all-gather a step), and is sharded again after the step's last backward.
+        # It stays gathered from one backward to the next micro-step's forward, and is sharded after the step's last.
         last = i == len(micro_steps) - 1
-        assert isinstance(model.get_parameter("model.embed_tokens.weight"), DTensor) == last, (i, fsdp_wrap)
+        assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == last, (i, fsdp_wrap)
     grad_norm = clip_grad_norm_(model.parameters(), float("inf"))
     assert step_loss.check(NonFiniteSteps("stop", 5), grad_norm) is False
     sums = step_loss.sums
@@ -89,6 +93,9 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked, fsdp_wrap
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         assert rel_err(grad, ref_params[name].grad) <= TOL, (name, rel_err(grad, ref_params[name].grad))
+    # An eval pass (no backward) leaves no unit gathered: a later in-place edit (LoRA's merge) must reach the weights.
+    eval_loss(model, samples(config.vocab_size)[:4], 2, 0, "cpu", mesh.world.get_group(), LENGTH)
+    assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor), fsdp_wrap
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked_loss"])

@@ -150,29 +150,29 @@ def exchange(
     ep: int,
     local: int,
     group: "torch.distributed.ProcessGroup",
-    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    compute: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
 ) -> list[torch.Tensor]:
     """Each chunk's rows (expert order) to the ep ranks owning their experts, through ``compute`` (rows grouped
-    by local expert, rows per local expert) there, and back: the outputs in the order the rows were sent.
-    ``local`` experts per rank. One count exchange and host sync for all chunks; with several chunks every chunk's
-    rows are sent before the first chunk's experts run, so that a chunk's all-to-all runs beside another's experts.
-    The outputs are waited on (plain tensors with their data): a Triton kernel may read them (gather_kernels.py)."""
+    by local expert; rows per local expert, on the device and as a list) there, and back: the outputs in the order the
+    rows were sent. ``local`` experts per rank. One count exchange and host sync for all chunks; with several chunks
+    every chunk's rows are sent before the first chunk's experts run, so that a chunk's all-to-all runs beside another's
+    experts. The outputs are waited on (plain tensors with their data): a Triton kernel may read them (gather_kernels.py)."""
     chunks = len(routed)
     # send[r, c, e]: chunk c's copies for rank r's local expert e; recv[s, c, e]: rank s's for my expert e.
     send = torch.stack(counts).view(chunks, ep, local).transpose(0, 1).reshape(-1)
     recv = _all_to_all(send, [chunks * local] * ep, [chunks * local] * ep, group, True)
     # Every count sent and received, read at once: the one host sync of the layer. The host then works out the splits
     # and each chunk's regrouping from these few numbers, where the GPU would take a dozen launches and a sort.
-    sent, received_counts = torch.cat([send, recv]).cpu().numpy().reshape(2, ep, chunks, local)
-    send_splits, recv_splits = sent.sum(-1).T.tolist(), received_counts.sum(-1).T.tolist()  # [c][rank]
-    received = [_AllToAll.apply(rows, recv_splits[c], send_splits[c], group, chunks == 1) for c, rows in enumerate(routed)]
+    sent_host, received_host = torch.cat([send, recv]).cpu().numpy().reshape(2, ep, chunks, local)
+    send_splits, recv_splits = sent_host.sum(-1).T.tolist(), received_host.sum(-1).T.tolist()  # [c][rank]
+    received_rows = [_AllToAll.apply(rows, recv_splits[c], send_splits[c], group, chunks == 1) for c, rows in enumerate(routed)]
     outs = []
     for c in range(chunks):
         # Received rows are source-major; the experts want them expert-major.
-        regroup, inverse, expert_counts = _regroup(received_counts[:, c, :], recv.device)
+        regroup, inverse, expert_counts = _regroup(received_host[:, c, :], recv.device)
         if chunks > 1:
-            wait_for(received[c])
-        expert_out = compute(_Permute.apply(received[c], regroup, inverse), expert_counts)
+            wait_for(received_rows[c])
+        expert_out = compute(_Permute.apply(received_rows[c], regroup, inverse), expert_counts, received_host[:, c, :].sum(0).tolist())
         source_major = _Permute.apply(expert_out, inverse, regroup)
         outs.append(_AllToAll.apply(source_major, send_splits[c], recv_splits[c], group, True))
     return outs

@@ -78,7 +78,7 @@ def parallelize(
 
 # The FSDP units of the dense weights. "layer": each decoder layer one unit, gathered before its forward and again
 # before its backward (one layer's weights unsharded at a time, the least memory). "model": the whole model one unit,
-# gathered once per micro-step and kept unsharded through its backward: all dense weights in bf16 at once, but no
+# gathered at a step's first forward and kept unsharded until its last backward: all dense weights in bf16 at once, but no
 # per-layer FSDP hooks, which on the host cost ~1.5 ms a layer forward and ~1.2 ms backward at ep 2 (2 x H200,
 # Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_gaps.py, bench/reports/ep2_host_h200x2_2026-11-27.md).
 FSDP_WRAPS = ("layer", "model")
@@ -152,7 +152,7 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
             experts.set_force_sum_reduction_for_comms(True)
     if not needs_fsdp(model, mesh, param_dtype):
         return
-    if fsdp_wrap == "model":  # one unit: gathered at each micro-step's forward, kept through its backward
+    if fsdp_wrap == "model":  # one unit: gathered at the forward, kept through the backward (set_gradient_sync: the step)
         fully_shard(model, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=left_out or None)
         return
     for layer in decoder_layers(model):
@@ -162,7 +162,7 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
 
 
 def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) -> None:
-    """Before each micro-step's backward: when FSDP reduces gradients.
+    """Before each micro-step's backward: when FSDP reduces gradients, and whether the root unit reshards after it.
 
     Dense gradients are reduced once per optimizer step, on the last micro-step (they wait unsharded in
     fp32 until then; dense layers are small). Expert gradients are reduced at every micro-step, except
@@ -170,10 +170,11 @@ def set_gradient_sync(model: nn.Module, mesh: MoEMesh, last_micro_step: bool) ->
     layer's unsharded fp32 expert gradient alive across micro-steps, the very memory that sharding
     saves (measured on the full Mixtral: it does not fit 4 x H200 with it).
 
-    The root unit (the model itself: embeddings and head, or every dense weight with ``fsdp_wrap`` "model") is
-    gathered through each micro-step's forward and backward anyway; it stays gathered from one micro-step to the
-    next and reshards after the step's last backward: one all-gather a step instead of one a micro-step, and no
-    more memory at the peak (which falls inside a micro-step).
+    The root unit (the model itself: embeddings and head, or every dense weight with ``fsdp_wrap`` "model") stays
+    gathered from one micro-step's backward to the next one's forward and reshards after the step's last backward,
+    with no more memory at the peak (which falls inside a micro-step). With "model" it is then gathered once a step
+    instead of once a micro-step; with "layer" (whose root reshards after its forward, as asked of every unit) the
+    later micro-steps skip its forward gather only.
     """
     experts = {id(block.experts) for block in moe_blocks(model)}
     experts_every_step = mesh.expert_shard_size > 1 or mesh.experts["dp_replicate"].size() == 1

@@ -9,6 +9,7 @@ are all-reduced at the end.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from megablocks_utils.data.batches import collate
 from megablocks_utils.moe.aux_loss import router_stats
@@ -33,5 +34,9 @@ def eval_loss(model, dataset, micro_batch: int, pad_token_id: int, device, group
         router_stats(model, batch["real"], None)  # drop the routing this forward recorded (no loss uses it)
         sums += torch.stack([loss_sum.double(), (labels[:, 1:] != IGNORE_INDEX).sum().double()])
     dist.all_reduce(sums, group=group)
+    if isinstance(model, FSDPModule):
+        # A unit kept gathered through its forward (fsdp_wrap "model") reshards in its backward; a no-grad forward has
+        # none, and in-place edits after it (LoRA's merge) would go to the gathered copy and be lost.
+        model.reshard()
     model.train(was_training)
     return float(sums[0] / sums[1])

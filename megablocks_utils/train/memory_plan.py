@@ -435,6 +435,12 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+# The FSDP units a run may build (parallel/parallelize.FSDP_WRAPS, which tests/test_memory.py holds these to), and the
+# ``fsdp_wrap`` setting's values: those or "auto" (``resolve_fsdp_wrap``).
+FSDP_UNITS = ("layer", "model")
+FSDP_WRAP_SETTINGS = ("auto", *FSDP_UNITS)
+
+
 def estimate_memory(
     config_or_dir,
     *,
@@ -458,7 +464,7 @@ def estimate_memory(
     fsdp_wrap: str = "layer",
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
-    if fsdp_wrap not in ("layer", "model"):
+    if fsdp_wrap not in FSDP_UNITS:
         raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: give the units the run builds, 'layer' or 'model' (resolve_fsdp_wrap)")
     config = load_config(config_or_dir)
     plan = Plan(
@@ -800,8 +806,9 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
     if not found:  # no single change is enough: all of them at once
         smallest = min(OPTIM_BYTES, key=lambda o: sum(OPTIM_BYTES[o]))
         now = dict(optim=p.optim, activation_checkpointing=e.checkpointing, per_device_train_batch_size=p.per_device_train_batch_size,
-                   gradient_accumulation_steps=p.gradient_accumulation_steps, shard_experts=e.shard_experts)
-        least = dict(optim=smallest, activation_checkpointing="full", per_device_train_batch_size=1, gradient_accumulation_steps=1, shard_experts=True)
+                   gradient_accumulation_steps=p.gradient_accumulation_steps, shard_experts=e.shard_experts, fsdp_wrap=p.fsdp_wrap)
+        least = dict(optim=smallest, activation_checkpointing="full", per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                     shard_experts=True, fsdp_wrap="layer")
         together = {k: v for k, v in least.items() if v != now[k]}
         if together:
             offer(" ".join(f"--{k} {str(v).lower()}" for k, v in together.items()), **together)
@@ -827,11 +834,6 @@ def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
         f"{_gib(gpu_memory_bytes)} each GPU has. Settings that fit: {fixes}. "
         f"Breakdown: python -m megablocks_utils.tools.memory (docs/memory.md)"
     )
-
-
-# The ``fsdp_wrap`` setting's values: "auto" (``resolve_fsdp_wrap``) and the units parallelize builds
-# (parallel/parallelize.FSDP_WRAPS, which tests/test_memory.py holds these to).
-FSDP_WRAP_SETTINGS = ("auto", "layer", "model")
 
 
 def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], gpu_memory_bytes: float, world_size: int,
