@@ -169,10 +169,11 @@ def exchange(
     outs = []
     for c in range(chunks):
         # Received rows are source-major; the experts want them expert-major.
-        regroup, inverse, expert_counts = _regroup(received_host[:, c, :], recv.device)
+        expert_rows = received_host[:, c, :].sum(0)  # rows per local expert
+        regroup, inverse, expert_counts = _regroup(received_host[:, c, :], expert_rows, recv.device)
         if chunks > 1:
             wait_for(received_rows[c])
-        expert_out = compute(_Permute.apply(received_rows[c], regroup, inverse), expert_counts, received_host[:, c, :].sum(0).tolist())
+        expert_out = compute(_Permute.apply(received_rows[c], regroup, inverse), expert_counts, expert_rows.tolist())
         source_major = _Permute.apply(expert_out, inverse, regroup)
         outs.append(_AllToAll.apply(source_major, send_splits[c], recv_splits[c], group, True))
     return outs
@@ -194,11 +195,11 @@ def regroup_order(recv_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return regroup, inverse
 
 
-def _regroup(recv_counts: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``regroup_order`` and the rows per local expert, on ``device`` in one copy (asynchronous from page-locked
-    memory on CUDA: torch's pinned-memory cache keeps the buffer until the copy has run)."""
+def _regroup(recv_counts: np.ndarray, expert_rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``regroup_order`` and ``expert_rows`` (the rows per local expert), on ``device`` in one copy (asynchronous from
+    page-locked memory on CUDA: torch's pinned-memory cache keeps the buffer until the copy has run)."""
     regroup, inverse = regroup_order(recv_counts)
-    host = torch.from_numpy(np.concatenate([regroup, inverse, recv_counts.sum(0).astype(np.int64)]))
+    host = torch.from_numpy(np.concatenate([regroup, inverse, expert_rows.astype(np.int64)]))
     on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     return on_device.split([len(regroup), len(inverse), recv_counts.shape[1]])
 

@@ -29,6 +29,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from megablocks_utils.errors import InputError
 
 
+# The FSDP units of the dense weights (parallelize builds them; the fit check and the settings read them here).
+# "layer": each decoder layer one unit, gathered before its forward and again before its backward (one layer's weights
+# unsharded at a time, the least memory). "model": the whole model one unit,
+# gathered at a step's first forward and kept unsharded until its last backward: all dense weights in bf16 at once, but no
+# per-layer FSDP hooks, which on the host cost ~1.5 ms a layer forward and ~1.2 ms backward at ep 2 (2 x H200,
+# Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_gaps.py, bench/reports/ep2_host_h200x2_2026-11-27.md).
+FSDP_WRAPS = ("layer", "model")
+
+
 @dataclass
 class MoEMesh:
     experts: DeviceMesh  # 3-D ("dp_replicate", "dp_shard", "ep")

@@ -37,7 +37,7 @@ from megablocks_utils.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from megablocks_utils.parallel.compile_dense import compile_dense_parts
-from megablocks_utils.parallel.mesh import MoEMesh
+from megablocks_utils.parallel.mesh import FSDP_WRAPS, MoEMesh
 
 
 def parallelize(
@@ -59,7 +59,7 @@ def parallelize(
     ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32).
     ``activation_checkpointing_layers``: how many decoder layers ``activation_checkpointing`` applies to,
     spread evenly (-1: all).
-    ``fsdp_wrap``: the FSDP units of the dense weights (``FSDP_WRAPS``).
+    ``fsdp_wrap``: the FSDP units of the dense weights (``mesh.FSDP_WRAPS``).
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
     it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
     the experts wherever dp = 1 (``experts_need_fsdp``). Returns the number
@@ -76,12 +76,6 @@ def parallelize(
     return compiled
 
 
-# The FSDP units of the dense weights. "layer": each decoder layer one unit, gathered before its forward and again
-# before its backward (one layer's weights unsharded at a time, the least memory). "model": the whole model one unit,
-# gathered at a step's first forward and kept unsharded until its last backward: all dense weights in bf16 at once, but no
-# per-layer FSDP hooks, which on the host cost ~1.5 ms a layer forward and ~1.2 ms backward at ep 2 (2 x H200,
-# Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_gaps.py, bench/reports/ep2_host_h200x2_2026-11-27.md).
-FSDP_WRAPS = ("layer", "model")
 
 
 def needs_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> bool:

@@ -35,7 +35,7 @@ from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.loading import load_config
 from megablocks_utils.model.lora import DEFAULT_TARGETS
 from megablocks_utils.parallel.activation_checkpointing import checkpointed_layers
-from megablocks_utils.parallel.mesh import check_ep_size
+from megablocks_utils.parallel.mesh import FSDP_WRAPS, check_ep_size
 from megablocks_utils.train.loss import loss_chunk_rows
 
 GiB = 2**30
@@ -369,7 +369,7 @@ class Plan:
     lora_target_modules: str = DEFAULT_TARGETS
     chunked_loss: bool = True  # the loss inside lm_head's forward, over chunks of rows (train/loss.py)
     checkpoint_experts: bool = False  # the routed experts of layers not checkpointed are recomputed
-    fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallelize.FSDP_WRAPS)
+    fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallel/mesh.FSDP_WRAPS)
 
 
 @dataclass
@@ -435,10 +435,9 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-# The FSDP units a run may build (parallel/parallelize.FSDP_WRAPS, which tests/test_memory.py holds these to), and the
-# ``fsdp_wrap`` setting's values: those or "auto" (``resolve_fsdp_wrap``).
-FSDP_UNITS = ("layer", "model")
-FSDP_WRAP_SETTINGS = ("auto", *FSDP_UNITS)
+# The ``fsdp_wrap`` setting's values: the FSDP units a run may build (parallel/mesh.FSDP_WRAPS) or "auto"
+# (``resolve_fsdp_wrap``).
+FSDP_WRAP_SETTINGS = ("auto", *FSDP_WRAPS)
 
 
 def estimate_memory(
@@ -464,7 +463,7 @@ def estimate_memory(
     fsdp_wrap: str = "layer",
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
-    if fsdp_wrap not in FSDP_UNITS:
+    if fsdp_wrap not in FSDP_WRAPS:
         raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: give the units the run builds, 'layer' or 'model' (resolve_fsdp_wrap)")
     config = load_config(config_or_dir)
     plan = Plan(
@@ -838,7 +837,7 @@ def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
 
 def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], gpu_memory_bytes: float, world_size: int,
                       ep: int) -> str:
-    """The script's ``fsdp_wrap`` ("auto", "layer" or "model"; parallelize.FSDP_WRAPS) as the units to build.
+    """The script's ``fsdp_wrap`` ("auto", "layer" or "model"; parallel/mesh.FSDP_WRAPS) as the units to build.
 
     "auto" is "model" where ep covers every rank (the experts stay out of FSDP, so FSDP's per-layer hooks only gather
     dense weights; measured there: 2 x H200 at ep 2, 11% faster steps, BENCHMARKS.md) and the plan with every layer's
