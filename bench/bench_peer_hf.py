@@ -10,12 +10,24 @@ reach their experts by all-to-all); FSDP2 then shards the experts over ``efsdp``
 expert whole on one rank), and every decoder layer and the root over ``fsdp`` (lm_head is kept gathered).
 
 The loop is the one a user of that API writes: random token ids (every token a label, the model's own shifted mean
-cross-entropy), ``set_requires_gradient_sync`` on the last micro-step only (as Trainer's
-``_defer_fsdp_gradient_reduction``), the global gradient norm clipped mesh by mesh (as Trainer's
+cross-entropy) or, with ``--data``, ours' packed rows (below); ``set_requires_gradient_sync`` on the last micro-step
+only (as Trainer's ``_defer_fsdp_gradient_reduction``), the global gradient norm clipped mesh by mesh (as Trainer's
 ``_mixed_mesh_grad_norm``: ``clip_grad_norm_`` cannot span two meshes), and torch's AdamW in the parameters' dtype,
 one parameter group per mesh (fused kernels cannot mix meshes either). ``--precision bf16`` loads bf16 weights (bf16
 AdamW state, bf16 gradient reduction, no stochastic rounding); ``fp32_master`` loads fp32 weights and sets
 ``fsdp_mixed_precision`` (bf16 compute, fp32 reduction).
+
+``--data PATH`` trains on the rows ours trains on at ep = world size: ``load_training_data(PATH, packing=True)`` with
+the checkpoint's tokenizer, ``GlobalBatches`` over all ranks (each rank its own rows, real_data.py's seed, epochs
+reshuffled when the steps outrun the data) and ``collate`` (packed rows carry per-document position_ids, which
+transformers keeps apart). The loss is ours: each rank's summed cross-entropy over the step's label tokens on all
+ranks, times the world size before backward because FSDP averages gradients over the ranks (Trainer's
+``average_tokens_across_devices`` scales its loss alike). Tokens/s counts real tokens (not padding) of all ranks over
+the summed time of the measured steps, per GPU, as real_data.py's records; TFLOPS count each micro-batch's attention
+at its documents' span (collate's ``attention_sq``). The record adds ``data``, ``token_fill`` and each step's real
+tokens per rank.
+
+    torchrun --nproc_per_node=2 bench/bench_peer_hf.py --dir /tmp/qwen3_30b_a3b-L12 --grad_accum 4 --data data_chat.jsonl
 
 Step time: ``torch.cuda.synchronize`` before the step's first forward and after ``optimizer.step``; the median
 over the steps after ``--warmup``. TFLOPS and MFU use bench_moe.py's Megatron formula and peak (989), as
@@ -62,6 +74,34 @@ def clip_grad_norm_by_mesh(params, max_norm: float) -> torch.Tensor:
     return total
 
 
+def packed_rows(directory: str, path: str, seq: int, micro_batch: int, grad_accum: int, world: int, rank: int):
+    """The rows ours trains on (train_fsdp2.py at ep = world size, real_data.py's seed): the packed rows, the pad id
+    and which of them this rank takes at each step."""
+    from real_data import SEED
+    from transformers import AutoTokenizer
+
+    from megablocks_utils.data.batches import GlobalBatches, load_training_data
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    data = load_training_data(path, tokenizer, seq, packing=True, seed=SEED)
+    schedule = GlobalBatches(data.train, micro_batch, grad_accum, world, rank, SEED, unit="packed rows")
+    return data.train, tokenizer.pad_token_id, schedule
+
+
+def step_counts(batches: list[dict], config, n_active: int) -> list[float]:
+    """One step's real tokens, token slots and FLOPs (Megatron's formula, then the training scripts'), each micro-batch's
+    attention at its documents' mean span: the padding after the last document counts as work, as real_data.py."""
+    from bench_moe import megatron_flops_per_token
+
+    from megablocks_utils.train.metrics import flops_per_token
+
+    real = sum(float(b["real"].sum()) for b in batches)
+    slots = sum(b["input_ids"].numel() for b in batches)
+    spans = [(b["attention_sq"] / b["input_ids"].numel(), b["input_ids"].numel()) for b in batches]
+    return [real, slots, sum(megatron_flops_per_token(config, span) * n for span, n in spans),
+            sum(flops_per_token(n_active, config, span) * n for span, n in spans)]
+
+
 def param_groups_by_mesh(model) -> list[dict]:
     from torch.distributed.tensor import DTensor
 
@@ -94,6 +134,8 @@ def main() -> None:
                    help="cap each GPU's memory at this many GiB (to emulate a smaller GPU, as train_fsdp2's setting); 0 = all")
     p.add_argument("--skew", type=float, default=0.0,
                    help="skewed routing: the busiest expert's load over the mean, per layer (routing_skew.py); 0 = the weights' own")
+    p.add_argument("--data", default="", help="train on these records' packed rows, as ours (e.g. data_chat.jsonl); "
+                   "empty = random token ids")
     p.add_argument("--out", default="bench/results.jsonl")
     args = p.parse_args()
 
@@ -101,6 +143,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, DistributedConfig
     from transformers import __version__ as transformers_version
 
+    from megablocks_utils.data.batches import collate
+    from megablocks_utils.train.loss import causal_lm_loss_sum
     from megablocks_utils.train.metrics import active_params, flops_per_token
 
     cuda = torch.cuda.is_available()
@@ -123,7 +167,11 @@ def main() -> None:
         "ep_size": ep, "fsdp_size": distributed_config.fsdp_size, "efsdp_size": distributed_config.efsdp_size,
         "ep_implementation": args.ep_implementation, "date": date.today().isoformat(), "torch": torch.__version__,
         "transformers": transformers_version, "dense_gemm_tflops": gemm, "gpu_memory_gib": args.gpu_memory_gib or None,
+        **({"data": args.data} if args.data else {}),
     }
+    # The data before the model, so a problem with it shows before a large model is read.
+    rows, pad_token_id, schedule = (packed_rows(args.dir, args.data, args.seq, args.micro_batch, args.grad_accum, world, rank)
+                                    if args.data else (None, None, None))
     try:
         start = time.perf_counter()
         extra = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
@@ -162,20 +210,31 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         generator = torch.Generator(device=device).manual_seed(1 + rank)
-        times, losses, norms = [], [], []
+        times, losses, norms, counts = [], [], [], []
         for step in range(args.warmup + args.steps):
-            batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device=device, generator=generator)
-                       for _ in range(args.grad_accum)]
+            if rows is None:
+                batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device=device, generator=generator)
+                           for _ in range(args.grad_accum)]
+            else:  # this rank's rows of the step, collated as train_fsdp2.py does (position_ids, no mask: any kernel)
+                indices, label_tokens = schedule.micro_batches(step)
+                batches = [collate([rows[j] for j in m], pad_token_id, device, args.seq, "sdpa") for m in indices]
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             step_loss = torch.zeros((), device=device)
-            for i, ids in enumerate(batches):
+            for i, batch in enumerate(batches):
                 # Gradients are reduced on the last micro-step only (Trainer's _defer_fsdp_gradient_reduction).
                 if fsdp_applied:
                     model.set_requires_gradient_sync(i == len(batches) - 1)
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss / len(batches)
-                loss.backward()
+                if rows is None:
+                    loss = model(input_ids=batch, labels=batch, use_cache=False).loss / len(batches)
+                    loss.backward()
+                else:
+                    # Ours: summed over this rank's label tokens, over the step's on all ranks. FSDP averages gradients
+                    # over the ranks (transformers divides the experts' by dp_size to match): times world, the gradient
+                    # of that global mean (Trainer's average_tokens_across_devices scales its loss the same way).
+                    loss = causal_lm_loss_sum(model(**batch["model_inputs"]).logits, batch["labels"]) / label_tokens
+                    (loss * world).backward()
                 step_loss += loss.detach()
             norm = clip_grad_norm_by_mesh(model.parameters(), args.max_grad_norm)
             optimizer.step()
@@ -184,19 +243,32 @@ def main() -> None:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             dist.all_reduce(step_loss)
-            losses.append(float(step_loss) / world)
+            losses.append(float(step_loss) / (world if rows is None else 1))  # rows: already the mean over all ranks' tokens
             norms.append(float(norm))
+            if rows is not None:  # each rank fills its own row: after the sum every rank has every rank's counts
+                by_rank = torch.zeros(world, 4, dtype=torch.float64, device=device)
+                by_rank[rank] = torch.tensor(step_counts(batches, config, n_active), dtype=torch.float64)
+                dist.all_reduce(by_rank)
+                counts.append(by_rank.cpu())
             if step >= args.warmup:
                 times.append(elapsed)
             if rank == 0:
                 print(f"step {step + 1}: {elapsed:.3f} s, loss {losses[-1]:.4f}, grad norm {norms[-1]:.3f}", flush=True)
         step_time = statistics.median(times)
-        tokens_per_gpu = args.grad_accum * args.micro_batch * args.seq / step_time
-        tflops = megatron_flops_per_token(config, args.seq) * tokens_per_gpu / 1e12
+        if rows is None:  # every token real, every step alike
+            tokens_per_gpu = args.grad_accum * args.micro_batch * args.seq / step_time
+            tflops = megatron_flops_per_token(config, args.seq) * tokens_per_gpu / 1e12
+            tflops_script = flops_per_token(n_active, config, args.seq) * tokens_per_gpu / 1e12
+        else:  # real tokens and FLOPs of all ranks over the summed time of the measured steps, per GPU
+            real, slots, flops, flops_script = torch.stack(counts[args.warmup:]).sum(dim=(0, 1)).tolist()
+            tokens_per_gpu = real / sum(times) / world
+            tflops, tflops_script = (f / sum(times) / world / 1e12 for f in (flops, flops_script))
+            record.update(token_fill=real / slots, steps_per_epoch=schedule.steps_per_epoch,
+                          real_tokens_per_rank=[[int(n) for n in c[:, 0]] for c in counts])
         record.update(
             status="ok", step_time_s=step_time, tokens_per_s_per_gpu=tokens_per_gpu, tflops_per_gpu=tflops,
             mfu=tflops / PEAK_TFLOPS, mfu_vs_dense_gemm=tflops / gemm if gemm else None, steps_measured=len(times),
-            step_times_s=times, tflops_per_gpu_script_formula=flops_per_token(n_active, config, args.seq) * tokens_per_gpu / 1e12,
+            step_times_s=times, tflops_per_gpu_script_formula=tflops_script,
             losses=losses, grad_norms=norms, final_loss=losses[-1],
         )
     except torch.OutOfMemoryError as e:

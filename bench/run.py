@@ -392,36 +392,51 @@ def real_data(s: Session) -> str:
 def ep_scaling(s: Session) -> str:
     """Tokens/s per GPU at each GPU count with ep = the count: ours on synthetic rows and chat records at defaults
     (bench/real_data.py --ep N) and transformers' FSDP2 + EP on the same checkpoint and batch (bench/bench_peer_hf.py on N
-    GPUs: random token ids, 1 x 4096 x 4 per GPU, bf16; on one GPU its own model on ours' synthetic rows, real_data.py's
-    hf_synthetic), in one call: per GPU against ours on one GPU (issue #40's 85% target) and ours against transformers at
-    each count (its 2x target)."""
+    GPUs, 1 x 4096 x 4 per GPU, bf16: random token ids, and ours' packed chat rows with --data; on one GPU its own model on
+    ours' rows, real_data.py's hf_synthetic and hf_sdpa), in one call: per GPU against ours on one GPU (issue #40's 85%
+    target) and ours against transformers on the same kind of rows at each count (its 2x target)."""
     from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ
 
     a = s.args
     checkpoint = f"/tmp/{a.shape}-L{a.layers}{'-shrunk' if a.shrink else ''}"  # real_data.py writes it on its first run
-    seq = 64 if a.shrink else SEQ
+    seq = 256 if a.shrink else SEQ  # shrunk: 256 keeps all but 3 chat records (at 64, one)
     for n in (int(c) for c in a.counts.split(",")):
-        # One GPU: transformers' own model (no FSDP, no EP) on ours' synthetic rows, in real_data.py's own launch
-        runs = a.runs + (",hf_synthetic" if n == 1 and not a.no_peer else "")
-        command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--runs", runs,
-                   "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps), "--run_timeout",
-                   str(a.run_timeout), "--out", s.part, "--ep", str(n), "--seq", str(seq), *(["--shrink"] if a.shrink else [])]
+        # One GPU: transformers' own model (no FSDP, no EP) on ours' synthetic and chat rows, in real_data.py's own launch
+        runs = a.runs + (",hf_synthetic,hf_sdpa" if n == 1 and not a.no_peer else "")
+        command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--dir", checkpoint,
+                   "--runs", runs, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
+                   "--run_timeout", str(a.run_timeout), "--out", s.part, "--ep", str(n), "--seq", str(seq),
+                   *(["--shrink"] if a.shrink else [])]
         s.run(f"ours_{n}gpu", command, a.run_timeout * (len(runs.split(",")) + 1), gpus_used=n)
         if n > 1 and not a.no_peer:
             flags = ["--seq", str(seq), "--micro_batch", str(MICRO_BATCH), "--grad_accum", str(GRAD_ACCUM), "--warmup", str(a.warmup),
-                     "--steps", str(a.steps), "--precision", "bf16"]
-            s.run(f"transformers_{n}gpu", peer(s, checkpoint, *flags, nproc=n), a.run_timeout, gpus_used=n, run="transformers")
+                     "--precision", "bf16"]
+            s.run(f"transformers_{n}gpu", peer(s, checkpoint, *flags, "--steps", str(a.steps), nproc=n), a.run_timeout,
+                  gpus_used=n, run="transformers")
+            chat = ["--data", os.path.join(ROOT, "data_chat.jsonl"), "--steps", str(a.chat_steps)]
+            s.run(f"transformers_chat_{n}gpu", peer(s, checkpoint, *flags, *chat, nproc=n), a.run_timeout, gpus_used=n,
+                  run="transformers_chat")
     return ep_scaling_table(s.records)
 
 
+# transformers' own model on one GPU (real_data.py's runs) under the name of its FSDP2 + EP launches on more.
+ONE_GPU_PEERS = {"hf_synthetic": "transformers", "hf_sdpa": "transformers_chat"}
+
+
+def peer_of(run: str) -> str | None:
+    """The transformers run on the same kind of rows as ours' ``run``: chat records or synthetic rows."""
+    return "transformers_chat" if "chat" in run else "transformers" if "synthetic" in run else None
+
+
 def ep_scaling_table(records: list[dict]) -> str:
-    """Per run and GPU count: tokens/s per GPU, against the same run on one GPU, and ours against transformers."""
+    """Per run and GPU count: tokens/s per GPU, against the same run on one GPU, and ours against transformers on the
+    same kind of rows (ours_chat against transformers_chat, ours_synthetic against transformers)."""
     per_gpu = {}
     for r in records:
         if r.get("status") != "ok":
             continue
         n = r["gpus_used"]
-        run = "transformers" if r["run"].startswith("hf_") else r["run"]  # one GPU: its own model (real_data.py)
+        run = ONE_GPU_PEERS.get(r["run"], r["run"])
         if "tokens_per_s_per_gpu" in r:  # bench_peer_hf.py: FSDP2 + EP on n GPUs
             per_gpu[(run, n)] = (r["tokens_per_s_per_gpu"], r["step_time_s"])
         elif "tokens_per_s" in r:  # real_data.py: real tokens over all GPUs
@@ -429,8 +444,8 @@ def ep_scaling_table(records: list[dict]) -> str:
     lines = ["| run | GPUs (ep) | s/step | tokens/s per GPU | of one GPU | ours / transformers |", "|---|---|---|---|---|---|"]
     for (run, n), (tps, step) in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         one = per_gpu.get((run, 1))
-        peer_tps = per_gpu.get(("transformers", n))
-        ratio = f"{tps / peer_tps[0]:.2f}x" if run != "transformers" and peer_tps else ""
+        peer_tps = per_gpu.get((peer_of(run), n)) if not run.startswith("transformers") else None
+        ratio = f"{tps / peer_tps[0]:.2f}x" if peer_tps else ""
         lines.append(f"| {run} | {n} | {step:.3f} | {tps:,.0f} | {f'{tps / one[0]:.0%}' if one else ''} | {ratio} |")
     failed = [f"{r.get('name')}: {r.get('status')} {str(r.get('error', ''))[:120]}" for r in records if r.get("status") != "ok"]
     return "\n".join(lines + failed)

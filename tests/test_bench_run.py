@@ -92,3 +92,44 @@ def test_ep_scaling_table_divides_real_data_tokens_by_the_gpus_and_compares_each
     assert "| transformers | 1 | 0.600 | 27,000 | 100% |  |" in lines  # one GPU: its own model (real_data.py's hf_synthetic)
     assert "| transformers | 2 | 0.820 | 20,000 | 74% |  |" in lines
     assert lines[-1].startswith("ours_4gpu: error CUDA out of memory")
+
+
+def test_ep_scaling_table_compares_ours_chat_with_transformers_on_the_same_chat_rows():
+    """ours_chat against transformers_chat (one GPU: real_data.py's hf_sdpa), ours_synthetic against transformers (one
+    GPU: hf_synthetic), whatever order the records come in."""
+    from run import ep_scaling_table
+
+    records = [
+        {"status": "ok", "gpus_used": 1, "run": "hf_sdpa", "tokens_per_s": 20000.0, "median_step_s": 0.7},
+        {"status": "ok", "gpus_used": 1, "run": "ours_synthetic", "tokens_per_s": 48000.0, "median_step_s": 0.34},
+        {"status": "ok", "gpus_used": 1, "run": "ours_chat", "tokens_per_s": 30000.0, "median_step_s": 0.5},
+        {"status": "ok", "gpus_used": 1, "run": "hf_synthetic", "tokens_per_s": 24000.0, "median_step_s": 0.6},
+        {"status": "ok", "gpus_used": 2, "run": "ours_synthetic", "tokens_per_s": 60000.0, "median_step_s": 0.55},
+        {"status": "ok", "gpus_used": 2, "run": "ours_chat", "tokens_per_s": 40000.0, "median_step_s": 0.8},
+        {"status": "ok", "gpus_used": 2, "run": "transformers", "tokens_per_s_per_gpu": 20000.0, "step_time_s": 0.82},
+        {"status": "ok", "gpus_used": 2, "run": "transformers_chat", "tokens_per_s_per_gpu": 10000.0, "step_time_s": 1.2},
+    ]
+    lines = ep_scaling_table(records).splitlines()
+    assert "| ours_chat | 1 | 0.500 | 30,000 | 100% | 1.50x |" in lines  # against hf_sdpa, not hf_synthetic
+    assert "| ours_chat | 2 | 0.800 | 20,000 | 67% | 2.00x |" in lines
+    assert "| ours_synthetic | 1 | 0.340 | 48,000 | 100% | 2.00x |" in lines
+    assert "| ours_synthetic | 2 | 0.550 | 30,000 | 62% | 1.50x |" in lines
+    assert "| transformers | 1 | 0.600 | 24,000 | 100% |  |" in lines
+    assert "| transformers_chat | 1 | 0.700 | 20,000 | 100% |  |" in lines
+    assert "| transformers_chat | 2 | 1.200 | 10,000 | 50% |  |" in lines
+    assert len(lines) == 2 + len(records)  # a header, then one row per record: none taken for another
+
+
+def test_ep_scaling_runs_the_peer_on_ours_chat_rows_and_checkpoint(capsys, tmp_path):
+    """At 2 GPUs a second peer launch trains on data_chat.jsonl for --chat_steps; at 1 GPU real_data.py adds hf_sdpa; every
+    launch reads the one checkpoint (--shrink's too)."""
+    run.main(["ep_scaling", "--shrink", "--chat_steps", "5", "--dry_run", "--gpus", "2", "--out", str(tmp_path / "out.jsonl")])
+    launches = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if line.startswith(("ours_", "transformers_")))
+    assert sorted(launches) == ["ours_1gpu", "ours_2gpu", "transformers_2gpu", "transformers_chat_2gpu"], launches
+    assert "--runs ours_synthetic,ours_chat,hf_synthetic,hf_sdpa " in launches["ours_1gpu"]
+    assert "--runs ours_synthetic,ours_chat " in launches["ours_2gpu"]
+    chat = launches["transformers_chat_2gpu"]
+    assert f"--data {os.path.join(ROOT, 'data_chat.jsonl')} --steps 5" in chat and "--nproc_per_node=2" in chat
+    assert "--data" not in launches["transformers_2gpu"]
+    checkpoints = {re.search(r"--dir (\S+)", command).group(1) for command in launches.values()}
+    assert checkpoints == {"/tmp/qwen3_30b_a3b-L12-shrunk"}, checkpoints
