@@ -32,15 +32,17 @@ cross-entropy over the step's label tokens, clipping at 1.0; as a user of that m
 Each run is a fresh process.
 
 ``--routing`` sets how both sides route (bench/routing_skew.py, the same hooks on transformers' routers and ours):
-``own`` (the random weights' own, nearly even), ``balanced`` (every expert exactly the same share of each
-micro-batch) or ``skew:R`` (the busiest expert R times the mean in every layer, calibrated on each run's first
-micro-batch). Ours runs under bench/with_routing.py, which puts the hooks on the model train_fsdp2.py loads.
+``own`` (the random weights' own: at Qwen3-30B-A3B's shape the busiest expert takes ~15x the mean, 2026-11-27),
+``balanced`` (every expert exactly the same share of each micro-batch) or ``skew:R`` (the busiest expert R times the mean
+in every layer, calibrated on each run's first micro-batch). Ours runs under bench/with_routing.py, which puts the hooks
+on the model train_fsdp2.py loads.
 
 Measured per run: the step times of every measured step (``metrics.jsonl`` for ours; CUDA-synchronised for
 transformers), tokens/s = real (not padding) tokens over the summed time of all measured steps, spikes included;
 the median step and the slowest step / median; TFLOPS per GPU by the training scripts' formula (docs/metrics.md,
 the same for both sides); the routing reached, each layer's busiest expert over the mean per step, averaged over the
-measured steps (ours: metrics.jsonl's expert load; transformers: the routers' choices). Ours: the recompile lines
+measured steps (ours: metrics.jsonl's expert load; transformers: the routers' choices), and (ours) the busiest ep rank's
+rows over the mean at ep 2, 4 and 8 (``rank_loads``). Ours: the recompile lines
 TORCH_LOGS printed after the warm-up (``recompiles_after_warmup``; each line is tagged with the steps metrics.jsonl
 held when it was read, so a late read can only count a warm-up recompile as later, never hide one). One JSON record
 per run goes to ``--out``; a table is printed at the end.
@@ -223,10 +225,11 @@ def ours(run: str, args, work: str) -> dict:
     late = [line for n, line in recompiles if n >= args.warmup]
     times = [r["step_time_s"] for r in rows]
     loads = [[most / mean for most, mean in zip(r["tokens_per_expert_max"], r["tokens_per_expert_mean"])] for r in rows]
+    per_expert = [r["tokens_per_expert"] for r in rows if r.get("tokens_per_expert")]
     record.update(status="ok", recompile_lines=len(recompiles), recompiles_after_warmup=len(late), late_recompiles=late[:5],
                   **timing(times, [r["tokens"] for r in rows], [r["token_slots"] for r in rows],
                            [r["tflops_per_device"] * 1e12 * r["step_time_s"] for r in rows]),
-                  **routing_reached(loads),
+                  **routing_reached(loads), **rank_loads(per_expert),
                   peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None,
                   alloc_retries=[r.get("alloc_retries") for r in rows])
     return record
@@ -248,6 +251,30 @@ def routing_reached(per_step: list[list[float]]) -> dict:
         return {}
     return {"busiest_over_mean": statistics.mean(layers), "busiest_over_mean_max": max(layers),
             "busiest_over_mean_per_layer": [round(r, 3) for r in layers]}
+
+
+def rank_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)) -> dict:
+    """``per_step[s][l][e]``: the rows expert e of layer l took in step s, over all ranks -> for each ep that divides the
+    experts, the busiest ep rank's rows (rank r owns a contiguous block of experts) over the ranks' mean, averaged over
+    layers and steps, and the largest layer's. Each layer's exchange waits for its busiest rank, so at ep > 1 this is
+    a floor on that layer's expert time against one GPU's, whatever the host does; a one-GPU run says what ep N would
+    meet on the same routing. Step sums smooth the micro-steps' own peaks: a lower bound."""
+    found = {}
+    for ep in eps:
+        per_layer = []
+        for layers in zip(*per_step):  # one layer's counts, step by step
+            ratios = []
+            for counts in layers:
+                if len(counts) % ep:
+                    break
+                block = len(counts) // ep
+                ranks = [sum(counts[r * block:(r + 1) * block]) for r in range(ep)]
+                ratios.append(max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0)
+            if ratios:
+                per_layer.append(statistics.mean(ratios))
+        if per_layer:
+            found[str(ep)] = (round(statistics.mean(per_layer), 4), round(max(per_layer), 4))
+    return {"busiest_rank_over_mean": found} if found else {}
 
 
 HF_RUNS = {"hf_synthetic": ("synthetic", None), "hf_synthetic_flex": ("synthetic", "flex_attention"),
@@ -313,16 +340,18 @@ def hf(run: str, args) -> dict:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| run | status | median s/step | tokens/s (all measured steps) | TFLOPS | busiest / mean expert | slowest / median | "
-             "token fill | recompiles after warm-up | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | status | median s/step | tokens/s (all measured steps) | TFLOPS | busiest / mean expert | busiest / mean rank "
+             "at ep 2, 4, 8 | slowest / median | token fill | recompiles after warm-up | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("status") != "ok":
-            lines.append(f"| {r['run']} | {r.get('status')} | | | | | | | | |")
+            lines.append(f"| {r['run']} | {r.get('status')} | | | | | | | | | |")
             continue
         peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
         load = f"{r['busiest_over_mean']:.2f} (max {r['busiest_over_mean_max']:.2f})" if r.get("busiest_over_mean") else ""
+        ranks = ", ".join(f"{mean:.2f}" for mean, _ in r.get("busiest_rank_over_mean", {}).values())
         lines.append(f"| {r['run']} | ok | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r.get('tflops', 0):.0f} | {load} | "
-                     f"{r['max_over_median']:.2f} | {r['token_fill']:.3f} | {r.get('recompiles_after_warmup', '')} | {peak} |")
+                     f"{ranks} | {r['max_over_median']:.2f} | {r['token_fill']:.3f} | {r.get('recompiles_after_warmup', '')} | {peak} |")
     return "\n".join(lines)
 
 

@@ -28,9 +28,24 @@ def test_both_sides_train_the_shrunk_shape_with_the_same_balanced_routing(shape,
         assert record["status"] == "ok" and record["routing"] == "balanced", record
         assert record["busiest_over_mean_per_layer"] == [1.0] * (1 if shape == "deepseek_v2_lite" else 2)  # V2: layer 0 dense
         assert record["token_fill"] == 1.0 and record["tflops"] > 0
+    assert ours["busiest_rank_over_mean"] == {"2": [1.0, 1.0], "4": [1.0, 1.0], "8": [1.0, 1.0]}  # 64 experts, each the same
     assert hf["experts_implementation"] == "grouped_mm"
     assert hf["attention"] == ("sdpa" if shape == "deepseek_v2_lite" else "eager")  # gpt-oss's sinks: eager on CPU
     assert "attention auto" in ours["launch"]
+
+
+def test_rank_loads_sum_each_ranks_block_of_experts():
+    """Rank r owns experts [r E / ep, (r + 1) E / ep): per layer the busiest block over the blocks' mean, averaged over
+    steps, then the layers' mean and largest; an ep that does not divide the experts is left out."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from real_data import rank_loads
+
+    step1 = [[6, 0, 1, 1], [1, 1, 1, 1]]  # layer 0 at ep 2: blocks of 6 and 2 rows, 6 / 4 = 1.5; at ep 4: 6 / 2 = 3
+    step2 = [[2, 2, 2, 2], [0, 0, 0, 4]]  # layer 1 at ep 2: 0 and 4, 4 / 2 = 2; at ep 4: 4 / 1 = 4
+    found = rank_loads([step1, step2], eps=(2, 4, 3))
+    # ep 2: layers (1.5 + 1) / 2 and (1 + 2) / 2, so mean 1.375, largest 1.5; ep 4: (3 + 1) / 2 and (1 + 4) / 2
+    assert found == {"busiest_rank_over_mean": {"2": (1.375, 1.5), "4": (2.25, 2.5)}}
+    assert rank_loads([]) == {}
 
 
 def test_ep_runs_ours_alone():

@@ -133,3 +133,15 @@ def test_ep_scaling_runs_the_peer_on_ours_chat_rows_and_checkpoint(capsys, tmp_p
     assert "--data" not in launches["transformers_2gpu"]
     checkpoints = {re.search(r"--dir (\S+)", command).group(1) for command in launches.values()}
     assert checkpoints == {"/tmp/qwen3_30b_a3b-L12-shrunk"}, checkpoints
+
+
+def test_ep_scaling_routing_reaches_ours_and_leaves_the_peer_out(capsys, tmp_path):
+    """--routing balanced: every real_data.py launch routes so (one GPU's transformers run too); no launch of
+    bench_peer_hf.py, which cannot balance its routers; own routing (the default) passes own."""
+    run.main(["ep_scaling", "--shrink", "--routing", "balanced", "--dry_run", "--gpus", "2", "--out", str(tmp_path / "a.jsonl")])
+    launches = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if line.startswith(("ours_", "transformers_")))
+    assert sorted(launches) == ["ours_1gpu", "ours_2gpu"], launches
+    assert all(command.endswith("--routing balanced --shrink") for command in launches.values()), launches
+    run.main(["ep_scaling", "--shrink", "--dry_run", "--gpus", "2", "--out", str(tmp_path / "b.jsonl")])
+    launches = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if line.startswith("ours_"))
+    assert all("--routing own " in command for command in launches.values()), launches
