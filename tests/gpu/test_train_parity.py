@@ -9,6 +9,8 @@ meshes (ep 2 against ep 1) two bf16 runs drifted 1.2e-2 apart at a spike both ha
 its own mesh's fp32 run.
 """
 
+import os
+
 import pytest
 
 from .launch import gpus, launch_together, metrics, train_fsdp2, worst_relative
@@ -27,15 +29,19 @@ def test_ep2_equals_ep1_dp2(tiny_model_dir, tmp_path):
     In bf16, ep 2 as close to its fp32 run as ep 1 is to its own (1.5x, as the other bf16 checks): the two bf16 runs are
     no criterion for each other, since both drift from the fp32 run as bf16 training does (2.1e-2 and 2.1e-2 at this
     seed's step-10 spike, where they are 1.2e-2 apart; seed 1: 6.2e-4 and 4.6e-4 from fp32, 2.0e-4 apart;
-    bench/ep_parity.py on 2 H200s, 2026-11-27)."""
+    bench/ep_parity.py on 2 H200s, 2026-11-27). LoRA (fp32, the default targets: attention and every expert) the same way
+    as the full fine-tune."""
     runs = {f"{dtype}_ep{ep}": (dtype, ep) for dtype in ("fp32", "bf16") for ep in (2, 1)}
+    runs.update({f"lora_ep{ep}": ("fp32", ep, "--finetuning", "lora") for ep in (2, 1)})
     out = {name: str(tmp_path / name) for name in runs}
     launch_together({name: train_fsdp2(2, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, "--dtype", dtype,
-                                       "--ep_size", str(ep)) for name, (dtype, ep) in runs.items()})
+                                       "--ep_size", str(ep), *extra) for name, (dtype, ep, *extra) in runs.items()})
     found = {name: metrics(path) for name, path in out.items()}
-    assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "loss") <= 1e-5
-    assert worst_relative(found["fp32_ep2"][:4], found["fp32_ep1"][:4], "grad_norm") <= 1e-5
-    assert worst_relative(found["fp32_ep2"], found["fp32_ep1"], "grad_norm") <= 1e-4
+    for run, reference in (("fp32_ep2", "fp32_ep1"), ("lora_ep2", "lora_ep1")):
+        assert worst_relative(found[run], found[reference], "loss") <= 1e-5, run
+        assert worst_relative(found[run][:4], found[reference][:4], "grad_norm") <= 1e-5, run
+        assert worst_relative(found[run], found[reference], "grad_norm") <= 1e-4, run
+    assert os.path.exists(os.path.join(out["lora_ep2"], "final", "adapter_config.json"))  # LoRA took effect
     ep2_from_fp32 = worst_relative(found["bf16_ep2"], found["fp32_ep2"], "loss")
     ep1_from_fp32 = worst_relative(found["bf16_ep1"], found["fp32_ep1"], "loss")
     assert ep2_from_fp32 <= 1.5 * ep1_from_fp32 + 1e-4, (ep2_from_fp32, ep1_from_fp32)
