@@ -140,6 +140,7 @@ def main() -> None:
     args = p.parse_args()
 
     from bench_moe import PEAK_TFLOPS, dense_gemm_tflops, megatron_flops_per_token
+    from real_data import host_cpu
     from transformers import AutoModelForCausalLM, DistributedConfig
     from transformers import __version__ as transformers_version
 
@@ -161,7 +162,7 @@ def main() -> None:
     distributed_config = DistributedConfig(fsdp_size=world, ep_size=ep, ep_implementation=args.ep_implementation,
                                            fsdp_mixed_precision=args.precision == "fp32_master")
     record = {
-        "config": "hf_native_fsdp2_ep", "gpus": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "config": "hf_native_fsdp2_ep", "gpus": world, "device": torch.cuda.get_device_name() if cuda else "cpu", "host_cpu": host_cpu(),
         "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "activation_checkpointing": args.ac,
         "precision": args.precision, "max_grad_norm": args.max_grad_norm,
         "ep_size": ep, "fsdp_size": distributed_config.fsdp_size, "efsdp_size": distributed_config.efsdp_size,

@@ -235,6 +235,17 @@ def ours(run: str, args, work: str) -> dict:
     return record
 
 
+def host_cpu() -> str:
+    """The host's CPU model and core count: the host's launches pace the steps at ep > 1, so numbers from two hosts
+    with the same GPUs differ by it (2 x H200 against 4 x H200 at ep 2, 2026-11-27)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or 'unknown'}, {os.cpu_count()} cores"
+
+
 def timing(times: list[float], tokens: list[int], slots: list[int], flops: list[float]) -> dict:
     """Step times, tokens/s and TFLOPS over the summed time of every measured step."""
     median = statistics.median(times)
@@ -392,7 +403,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     written_s = write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
     common = {"shape": args.shape, "layers": args.layers, "seq": args.seq, "micro_batch": MICRO_BATCH, "grad_accum": GRAD_ACCUM,
-              "warmup": args.warmup, "routing": args.routing, "ep": args.ep, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "warmup": args.warmup, "routing": args.routing, "ep": args.ep, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "host_cpu": host_cpu(),
               "torch": torch.__version__, "date": str(date.today())}
     if written_s is not None:
         common["checkpoint_written_s"] = round(written_s, 1)

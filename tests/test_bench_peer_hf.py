@@ -28,6 +28,7 @@ def test_peer_on_chat_rows_counts_each_ranks_real_tokens_and_trains_on_the_globa
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = (json.loads(line) for line in open(out))
     assert record["status"] == "ok" and record["data"] == CHAT and record["fsdp_applied"], record
+    assert record["host_cpu"].endswith(f", {os.cpu_count()} cores"), record["host_cpu"]
     assert record["ep_size"] == WORLD and record["steps_measured"] == 2
 
     # The rows each rank was given at each step, as train_fsdp2.py gives them: their real tokens, rank by rank.

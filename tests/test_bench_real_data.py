@@ -26,6 +26,7 @@ def test_both_sides_train_the_shrunk_shape_with_the_same_balanced_routing(shape,
     assert (ours["run"], hf["run"]) == ("ours_synthetic", "hf_synthetic")
     for record in (ours, hf):
         assert record["status"] == "ok" and record["routing"] == "balanced", record
+        assert record["host_cpu"].endswith(f", {os.cpu_count()} cores"), record["host_cpu"]
         assert record["busiest_over_mean_per_layer"] == [1.0] * (1 if shape == "deepseek_v2_lite" else 2)  # V2: layer 0 dense
         assert record["token_fill"] == 1.0 and record["tflops"] > 0
     assert ours["busiest_rank_over_mean"] == {"2": [1.0, 1.0], "4": [1.0, 1.0], "8": [1.0, 1.0]}  # 64 experts, each the same
