@@ -31,6 +31,7 @@ packing = True  # pack several samples into each row of max_length, documents ke
 attn_implementation = "auto"  # "auto" (the fastest exact kernel for model, device and rows), "flex_attention", "varlen", "sdpa", "eager"
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
+ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange in fixed blocks of this x a peer's mean rows, no host sync; a micro-step that overflows reruns exactly (0: the exact exchange)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 finetuning = "full"  # "full" only here: for "lora" (frozen weights, adapters, a PEFT adapter out) use train_fsdp2.py
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
@@ -219,6 +220,7 @@ from megablocks_utils.moe.balance import (  # noqa: E402
     routing_bias_note,
     update_routing_bias,
 )
+from megablocks_utils.moe.exchange_mode import use_static_exchange  # noqa: E402
 from megablocks_utils.parallel.fsdp1 import (  # noqa: E402
     export_hf_fsdp1,
     fsdp_on_cpu,
@@ -308,6 +310,9 @@ with stop_together():
     # dp (sync_expert_grads sums their gradients); train_fsdp2.py shards them over dp as well.
     mesh = build_mesh(ep, device.type, None, timeout=args.ddp_timeout_delta, shard_experts=False)
     model, mesh = load_model(model_name_or_path, mesh, device=device, moe_backend=moe_backend, attn_implementation=attention)
+    exchange_note = use_static_exchange(model, ep_capacity_factor)  # "" when off (megablocks_utils/moe/exchange_mode.py)
+if master and exchange_note:
+    print(exchange_note, flush=True)
 config = model.config
 # The loss computed inside lm_head's forward, chunk by chunk (megablocks_utils/train/loss.py), before accelerate wraps
 # the model in FSDP1: "" when installed, else why not.

@@ -30,6 +30,7 @@ output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF mode
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
+ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange in fixed blocks of this x a peer's mean rows, no host sync; a micro-step that overflows reruns exactly (0: the exact exchange)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
 finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in the compute dtype, adapters train; final/ is a PEFT adapter)
@@ -162,6 +163,7 @@ from megablocks_utils.moe.balance import (  # noqa: E402
     routing_bias_note,
     update_routing_bias,
 )
+from megablocks_utils.moe.exchange_mode import use_static_exchange  # noqa: E402
 from megablocks_utils.parallel.parallelize import (  # noqa: E402
     fsdp_left_out,
     parallelize,
@@ -278,6 +280,9 @@ with stop_together():
     model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=compute_dtype if lora else param_dtype(optim),
                              moe_backend=moe_backend, attn_implementation=attention)
     lora_targets = add_lora(model, mesh, lora, param_dtype(optim), seed) if lora else None
+    exchange_note = use_static_exchange(model, ep_capacity_factor)  # "" when off (megablocks_utils/moe/exchange_mode.py)
+if master and exchange_note:
+    print(exchange_note, flush=True)
 config = model.config
 # The loss computed inside lm_head's forward, chunk by chunk (megablocks_utils/train/loss.py); before FSDP wraps the
 # model, after LoRA (an adapter on lm_head keeps the full logits). "" when installed, else why not.

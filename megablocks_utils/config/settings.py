@@ -95,6 +95,7 @@ RULES = {
     # parallelism and precision
     "ep_size": NON_NEGATIVE,
     "dp_replicate": POSITIVE,
+    "ep_capacity_factor": NON_NEGATIVE,
     "shard_experts": Choice(("auto", "true", "false"), bare="true"),
     "cuda_graphs": Choice(("auto", "true", "false"), bare="true"),
     "moe_backend": Choice(("native", "megablocks")),

@@ -128,7 +128,7 @@ class LocalExperts:
         added after each projection. ``grads_into`` (only where ``uses_grouped_gemms``): gate_up's and down's gradients
         added by the GEMMs' backward into their parameters (``weight_grad.py``), whose weights then come without
         autograd edge."""
-        if grouped_mm_supported(x) and not self.force_loop:
+        if not self.loops(x):
             return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into)
         if grads_into is not None:
             raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms)")
@@ -138,6 +138,11 @@ class LocalExperts:
         """Whether these rows go through torch's grouped GEMM: CUDA sm80+ bf16, more than one local expert (one
         takes plain GEMMs), and not ``force_loop``."""
         return grouped_mm_supported(x) and not self.force_loop and len(counts) > 1
+
+    def loops(self, x: torch.Tensor) -> bool:
+        """Whether these rows take the per-expert loop (which splits them by counts read on the host), not the grouped
+        GEMM or, with one local expert, its plain GEMMs (which read the counts on the device)."""
+        return self.force_loop or not grouped_mm_supported(x)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The fused [rows, 2I] projection -> [rows, I]: the GLU of the model's activation."""

@@ -14,6 +14,7 @@ over dp and scales it the way FSDP scales dense gradients (``grads.py``).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
@@ -22,6 +23,7 @@ from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
 from megablocks_utils.moe.expert_weights import ExpertWeights
 from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.router import TopKRouter
+from megablocks_utils.moe.static_exchange import static_capacity, static_exchange
 from megablocks_utils.parallel.mesh import MoEMesh
 
 
@@ -38,6 +40,9 @@ class ExpertParallelExperts(ExpertWeights):
     gradient division (``fused.py``), and run the weighted combine of the k outputs (both ways) and the dispatch's
     backward as our Triton kernels (``gather_kernels.py``).
     ``overlap_chunks``: with ep > 1, tokens in this many chunks, one's all-to-all beside another's experts (forward).
+    ``exchange_mode`` (set by ``exchange_mode.use_static_exchange``, the scripts' ``ep_capacity_factor``; None: off): at
+    ep > 1 with one chunk, the exchange in fixed blocks (``static_exchange``) unless the mode asks for the exact one;
+    each layer adds its overflow flag to the mode, which reruns an overflowed forward exactly.
 
     ``recompute`` (set by ``apply_activation_checkpointing``, the scripts' ``checkpoint_experts``): the forward keeps
     only its inputs and reruns itself in the backward (torch.utils.checkpoint, non-reentrant). What it saves otherwise,
@@ -74,6 +79,7 @@ class ExpertParallelExperts(ExpertWeights):
         self.local = LocalExperts(act_fn, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit, force_loop=force_loop)
         self.overlap_chunks = overlap_chunks
         self.recompute = False  # keep only the inputs; rerun the forward in the backward (checkpoint_experts)
+        self.exchange_mode = None  # the model's ExchangeMode where ep_capacity_factor > 0 (exchange_mode.py)
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
         return self.compile_elementwise and t.is_cuda
@@ -102,6 +108,16 @@ class ExpertParallelExperts(ExpertWeights):
         return self.local(x, counts, weights, counts_host, fuse=self.fuse_elementwise(x), lora=self.lora, adapters=adapters,
                           grads_into=grads_into)
 
+    def compute_valid_rows(self, x: torch.Tensor, counts: torch.Tensor, counts_host: None = None) -> torch.Tensor:
+        """``compute`` for ``static_exchange``: the first ``counts.sum()`` rows of ``x`` exact, the padding after them
+        anything. The grouped GEMM stops at its last offset by itself; the per-expert loop splits all rows by the counts,
+        so it reads them on the host (free on CPU, one sync on a GPU), runs on the valid rows and pads with zeros."""
+        if not self.local.loops(x):
+            return self.compute(x, counts)
+        counts_host = counts.tolist()
+        valid = sum(counts_host)
+        return F.pad(self.compute(x[:valid], counts, counts_host), (0, 0, 0, x.shape[0] - valid))
+
     def forward(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts); with ``recompute``,
         under torch.utils.checkpoint."""
@@ -127,8 +143,15 @@ class ExpertParallelExperts(ExpertWeights):
             parts = [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in zip(edges[:-1], edges[1:])]
         routes = [route(part_i, self.num_experts) for _, part_i, _ in parts]
         routed = [dispatch(part_x, r, k, fuse) for (part_x, _, _), r in zip(parts, routes)]
+        mode = self.exchange_mode
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
             outs = [self.compute(routed[0], routes[0].counts)]
+        elif mode is not None and pieces == 1 and not mode.exact:  # fixed blocks, no host sync; the mode checks overflow
+            capacity = static_capacity(num_tokens, k, ep, mode.capacity_factor)
+            out, overflow = static_exchange(routed[0], routes[0].counts, ep, self.num_local_experts, self._ep_group(),
+                                            self.compute_valid_rows, capacity)
+            mode.flags.append(overflow)
+            outs = [out]
         else:
             outs = exchange(routed, [r.counts for r in routes], ep, self.num_local_experts, self._ep_group(), self.compute)
         combined = [combine(out, r, part_w, x.dtype, fuse) for out, r, (_, _, part_w) in zip(outs, routes, parts)]

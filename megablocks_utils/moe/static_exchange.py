@@ -21,9 +21,11 @@ on the device only (no host counts): it must compute the first ``counts.sum()`` 
 anything. ``LocalExperts``' grouped GEMM does (its offsets end at the valid count); the per-expert loop does not (it
 reads the counts and splits all rows by them), nor does the experts' bias (a one-hot of all rows, gpt-oss).
 
-Not yet wired into the layer. Proved on CPU ranks (tests/test_static_exchange.py); bench/static_exchange_probe.py
-measures it on GPUs (the padding's cost, CUDA graph capture with NCCL, how often skewed routing overflows). The
-layer's switch, the rerun on overflow and CUDA graphs at ep > 1 follow once the probe has run.
+The layer uses it where ``ep_capacity_factor`` > 0 (``ExpertParallelExperts.route_and_compute``; its compute runs the
+per-expert loop on the valid rows only), and ``exchange_mode.run_exactly`` is the caller above: the check once per
+micro-step and the rerun on the exact exchange (tests/test_exchange_mode.py, on CPU ranks). Proved on CPU ranks
+(tests/test_static_exchange.py); bench/static_exchange_probe.py measures it on GPUs (the padding's cost, CUDA graph
+capture with NCCL, how often skewed routing overflows). End-to-end timings on GPUs and CUDA graphs at ep > 1 are next.
 """
 
 import math

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from megablocks_utils.data.batches import collate
 from megablocks_utils.moe.aux_loss import router_stats
+from megablocks_utils.moe.exchange_mode import run_exactly
 from megablocks_utils.train.loss import IGNORE_INDEX, forward_with_loss
 
 
@@ -30,8 +31,13 @@ def eval_loss(model, dataset, micro_batch: int, pad_token_id: int, device, group
         samples = [dataset[i] for i in mine] + [filler] * (micro_batch - len(mine))
         batch = collate(samples, pad_token_id, device, length, attention)
         labels = batch["labels"]
-        loss_sum, _ = forward_with_loss(model, batch["model_inputs"], labels)
-        router_stats(model, batch["real"], None)  # drop the routing this forward recorded (no loss uses it)
+
+        def forward():  # router_stats drops the routing the forward recorded (no loss uses it)
+            loss_sum, _ = forward_with_loss(model, batch["model_inputs"], labels)
+            router_stats(model, batch["real"], None)
+            return loss_sum
+
+        loss_sum, _ = run_exactly(model, forward, group, device)  # an overflowed static exchange rerun exactly
         sums += torch.stack([loss_sum.double(), (labels[:, 1:] != IGNORE_INDEX).sum().double()])
     dist.all_reduce(sums, group=group)
     if isinstance(model, FSDPModule):

@@ -31,6 +31,8 @@ class StepSums:
     SIGTERM: ``add_stop_request``). ``tokens_per_expert`` ([layer, expert] top-k counts) arrives
     summed over ranks from ``router_stats`` and is only added up here; it stays on the device (the
     routing bias's update reads it there) and ``tokens_per_expert_cpu`` is its copy for the record.
+    ``exchange_reruns``: forwards rerun on the exact exchange (``moe/exchange_mode.py``), counted on the host by
+    ``StepLoss`` and the same on every rank; None where the static exchange is off (the record then has no such key).
     """
 
     FIELDS = ("ce_sum", "aux", "tokens", "token_slots", "attention_sq", "nonfinite", "stop_requests")
@@ -41,6 +43,7 @@ class StepSums:
         self.tokens_per_expert = 0
         self.tokens_per_expert_cpu = None
         self.grad_norm = None
+        self.exchange_reruns = None
 
     def add(self, *, ce_sum, aux, tokens, token_slots, attention_sq, nonfinite, tokens_per_expert=None) -> None:
         """Add one micro-batch's numbers: tensors (on the device) or Python numbers. Nothing moves between host and
@@ -135,6 +138,8 @@ class MetricsLog:
             "tokens_per_expert_mean": tokens_per_expert.mean(dim=1).tolist(),
             "tokens_per_expert": tokens_per_expert.long().tolist(),
         }
+        if sums.exchange_reruns is not None:
+            record["exchange_reruns"] = sums.exchange_reruns
         if eval_loss is not None:
             record["eval_loss"] = self.eval_loss = eval_loss
         self.tokens += sums.tokens

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megablocks_utils.moe.aux_loss import router_stats
+from megablocks_utils.moe.exchange_mode import exchange_mode, run_exactly
 from megablocks_utils.train.loss import forward_with_loss
 from megablocks_utils.train.nonfinite import NonFiniteSteps
 from megablocks_utils.train.run_log import StepSums
@@ -44,6 +45,7 @@ class StepLoss:
         self.label_tokens = float(step_label_tokens)
         self.world_size = dist.get_world_size(group)
         self.sums = StepSums(device)
+        self.device = device
 
     def micro_batch(self, model, batch: dict):
         """Forward one micro-batch (a ``collate`` dict); returns this rank's loss to backpropagate and the model's output."""
@@ -57,9 +59,14 @@ class StepLoss:
         ``loss_scale``: 1 / ``step_label_tokens`` as an fp32 device tensor, for a CUDA graph (``cuda_graph.py``), which
         cannot take the step's count as a Python number; the same bits (a division by a Python number is a
         multiplication by its fp32 reciprocal in torch's CUDA kernel)."""
-        # The summed cross-entropy, inside the forward where the model has a LossHead (then out.logits holds it: train/loss.py)
-        ce_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
-        stats = router_stats(model, batch["real"], self.group)
+        def forward():  # the summed cross-entropy, inside the forward where the model has a LossHead (train/loss.py)
+            ce_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
+            return ce_sum, out, router_stats(model, batch["real"], self.group)
+
+        # With ep_capacity_factor > 0, a forward whose static exchange overflowed is run again exactly (exchange_mode.py)
+        (ce_sum, out, stats), rerun = run_exactly(model, forward, self.group, self.device)
+        if exchange_mode(model) is not None:
+            self.sums.exchange_reruns = (self.sums.exchange_reruns or 0) + rerun  # the same on every rank: not reduced
         ce = ce_sum / self.denominator if loss_scale is None else ce_sum * loss_scale
         loss = self.world_size * (ce + self.aux_coef * stats.local / self.micro_steps)
         numbers = {"ce_sum": ce_sum.detach(), "aux": stats.value.double() / (self.micro_steps * self.world_size),

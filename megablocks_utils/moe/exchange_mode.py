@@ -1,0 +1,115 @@
+"""The opt-in static expert exchange and the check that keeps it exact: ``use_static_exchange`` and ``run_exactly``.
+
+Why: the exact exchange (``dispatch.exchange``) reads every layer's counts on the host, one sync per layer that paces
+the GPUs at ep 2 and 4. With ``ep_capacity_factor`` F > 0 every MoE layer exchanges in blocks of
+``static_capacity(tokens, k, ep, F)`` rows per peer instead (``static_exchange``: no host sync) and adds its
+``overflow`` flag (a device bool) to the model's ``ExchangeMode``. ``run_exactly`` wraps a micro-step's forward:
+
+  arm (exact off, flags cleared) -> the forward, every layer static -> OR of the flags, all-reduced (MAX) over the
+  world, read once (the one host read left per micro-step) -> if any layer of any rank overflowed: the first forward
+  dropped, exact on, the RNG state put back, the forward again on the exact exchange.
+
+Every rank takes the same path (FSDP's collectives and the exchange need all of them), so the flag goes over the
+world, not the ep group. ``exact`` stays on until the next arm: activation checkpointing's recompute in the backward
+then takes the path its forward took (a static recompute has the same capacity, hence the same blocks). The result
+is the exact path's: a kept static forward dropped no row, and a rerun is the exact forward itself.
+
+Off (no mode, the default, and at ep 1 where there is no exchange) ``run_exactly`` is the forward alone: no
+collective, no host read. Not for megablocks (it moves the tokens itself) nor for experts with a bias (gpt-oss: the
+bias's one-hot covers all rows, padding included), nor with ``overlap_chunks`` > 1 (those layers keep the exact
+exchange). With LoRA dropout a kept static forward draws its masks over the padded rows, so they differ from the
+exact path's (still dropout; a rerun restores the RNG and draws the exact path's).
+"""
+
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megablocks_utils.moe.blocks import moe_blocks
+from megablocks_utils.moe.layer import ExpertParallelExperts
+
+T = TypeVar("T")
+
+
+class ExchangeMode:
+    """One model's static exchange: the capacity factor, whether the layers must take the exact exchange (``exact``),
+    the overflow flags its layers added since the last arm (``flags``) and the forwards rerun so far (``reruns``)."""
+
+    def __init__(self, capacity_factor: float):
+        self.capacity_factor = capacity_factor
+        self.exact = False
+        self.flags: list[torch.Tensor] = []
+        self.reruns = 0
+
+
+# The modes of live models: while there is none, ``run_exactly`` looks for nothing (the default run's host time).
+_LIVE_MODES: "weakref.WeakSet[ExchangeMode]" = weakref.WeakSet()
+
+
+def use_static_exchange(model: nn.Module, capacity_factor: float) -> str:
+    """Give every MoE layer of the built model (after ``shard_moe``) one shared ``ExchangeMode`` of ``capacity_factor``
+    (0: nothing changes). Returns a line for the launch print ("" when off)."""
+    if capacity_factor < 0:
+        raise ValueError(f"ep_capacity_factor={capacity_factor}: give 0 (the exact exchange) or a positive factor")
+    if capacity_factor == 0:
+        return ""
+    experts = [block.experts for block in moe_blocks(model)]
+    if any(type(e).route_and_compute is not ExpertParallelExperts.route_and_compute for e in experts):
+        raise ValueError("ep_capacity_factor > 0 needs moe_backend native (megablocks moves the tokens itself); "
+                         "use --moe_backend native or --ep_capacity_factor 0")
+    if any(e.has_bias for e in experts):
+        raise ValueError("ep_capacity_factor > 0 does not support experts with a bias (gpt-oss); use --ep_capacity_factor 0")
+    if not experts or experts[0].ep_size == 1:
+        return f"ep_capacity_factor {capacity_factor:g}: no effect at ep 1 (no expert exchange)"
+    mode = ExchangeMode(capacity_factor)
+    _LIVE_MODES.add(mode)
+    for e in experts:
+        e.exchange_mode = mode
+    return (f"expert exchange: static blocks of {capacity_factor:g} x a peer's mean share of rows, a micro-step that "
+            "overflows rerun exactly (exchange_reruns in metrics.jsonl)")
+
+
+def exchange_mode(model: nn.Module) -> ExchangeMode | None:
+    """The model's ``ExchangeMode``, or None (no static exchange)."""
+    if not _LIVE_MODES:
+        return None
+    blocks = moe_blocks(model)
+    return blocks[0].experts.exchange_mode if blocks else None
+
+
+def _rng_states(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_states(states: tuple, device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def run_exactly(model: nn.Module, forward: Callable[[], T], group: dist.ProcessGroup | None, device) -> tuple[T, bool]:
+    """``forward()`` (the model's forward and what reads its routing), exactly as on the exact exchange; and whether it
+    was rerun. Collective over ``group`` (all ranks) when a layer ran static; else the forward alone."""
+    mode = exchange_mode(model)
+    if mode is None:
+        return forward(), False
+    mode.exact, mode.flags = False, []
+    rng = _rng_states(torch.device(device))
+    result = forward()
+    if not mode.flags:  # no layer ran static (e.g. overlap_chunks > 1)
+        return result, False
+    overflowed = torch.stack(mode.flags).any().to(torch.int32).reshape(1)
+    mode.flags = []
+    if group is None or dist.get_world_size(group) > 1:
+        dist.all_reduce(overflowed, op=dist.ReduceOp.MAX, group=group)
+    if not overflowed.item():
+        return result, False
+    del result  # its activations can go before the rerun makes its own
+    mode.exact = True  # until the next arm: a checkpointed recompute in the backward takes the exact path too
+    mode.reruns += 1
+    _set_rng_states(rng, torch.device(device))
+    return forward(), True

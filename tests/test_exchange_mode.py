@@ -1,0 +1,204 @@
+"""The static exchange wired into the layer (``ep_capacity_factor``, moe/exchange_mode.py), on 2 gloo ranks in fp32.
+
+With a factor no routing can overflow, the loss and every gradient equal the exact exchange's and nothing is rerun;
+with a factor that overflows (a capacity of 128 rows, each rank sending about 256 rows to each peer) the check sees
+it and the rerun's loss and gradients equal the exact exchange's. Under full activation checkpointing and under the
+experts' recompute (``checkpoint_experts``) the backward's recompute takes the path its forward took: the static
+exchange again after a kept static forward, the exact one after a rerun. Factor 0 sets nothing, ep 1 says it does
+nothing, and expert biases and negative factors are refused with what to do.
+
+End to end at ep 2 on 2 ranks (conftest's standard steps, 2 rows of 256 tokens per rank and micro-step: 1024 rows, about
+512 per peer): train_fsdp2.py with ``--ep_capacity_factor 2.0`` (capacity = every row: no overflow) and 0.1 (capacity
+128: every layer of every micro-step overflows), without and with full activation checkpointing, and train_fsdp1.py
+with 0.1, give the exact run's losses, expert loads and gradient norms at every step to 1e-6 (measured: train_fsdp2.py's equal to
+the last bit on CPU, the rerun being the exact forward and a kept static forward the same rows through the same
+per-expert GEMMs; train_fsdp1.py's, against train_fsdp2.py's exact run, 2.3e-7, FSDP1's own difference from FSDP2);
+the eval loss too; metrics.jsonl counts 2 reruns per step (one per micro-step) where the factor overflows and 0 where it does not.
+"""
+
+import copy
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TWO_RANK_ARGS, read_jsonl, run_ranks, standard_args, tiny_mixtral_config, tiny_moe_config, train_fsdp2
+from test_train_fsdp1 import accelerate_launch, readme_command
+from torch.distributed.tensor import DTensor
+
+import megablocks_utils.moe.layer as layer_module
+from megablocks_utils import causal_lm_loss_sum, count_label_tokens, moe_blocks, router_stats, shard_moe
+from megablocks_utils.moe.exchange_mode import exchange_mode, run_exactly, use_static_exchange
+from megablocks_utils.parallel.activation_checkpointing import apply_activation_checkpointing
+
+NO_OVERFLOW = 4.0  # capacity = every row a rank sends
+OVERFLOW = 0.01  # capacity 128 rows (static_capacity's floor), about half a peer's share here
+TOKENS = (4, 64)  # per rank: 256 tokens, k = 2: 512 rows, about 256 for each of 2 peers
+
+
+class ExchangeCalls:
+    """Counts the layer's calls of each exchange (the static one and the exact one)."""
+
+    def __init__(self):
+        self.static = self.exact = 0
+        self._static, self._exact = layer_module.static_exchange, layer_module.exchange
+
+    def __enter__(self):
+        def static(*args, **kwargs):
+            self.static += 1
+            return self._static(*args, **kwargs)
+
+        def exact(*args, **kwargs):
+            self.exact += 1
+            return self._exact(*args, **kwargs)
+
+        layer_module.static_exchange, layer_module.exchange = static, exact
+        return self
+
+    def __exit__(self, *exc):
+        layer_module.static_exchange, layer_module.exchange = self._static, self._exact
+
+
+def train_step(reference, rank, factor, checkpointing="none", experts=False):
+    """One forward (through ``run_exactly``) and backward of a fresh ep 2 copy; the loss, every gradient, whether the
+    forward was rerun and the exchanges the forward and the backward called."""
+    model = copy.deepcopy(reference)
+    mesh = shard_moe(model, 2, device="cpu")
+    use_static_exchange(model, factor)
+    apply_activation_checkpointing(model, checkpointing, -1, experts)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    input_ids = torch.randint(1, model.config.vocab_size, TOKENS, generator=g)
+    mask = torch.ones_like(input_ids)
+    mask[1, 40:] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+
+    def forward():
+        out = model(input_ids, attention_mask=mask)
+        return out, router_stats(model, mask, mesh.world.get_group())
+
+    with ExchangeCalls() as forward_calls:
+        (out, stats), rerun = run_exactly(model, forward, mesh.world.get_group(), "cpu")
+    loss = causal_lm_loss_sum(out.logits, labels) / count_label_tokens(labels) + 0.02 * stats.local
+    with ExchangeCalls() as backward_calls:
+        loss.backward()
+    grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, rerun, (forward_calls.static, forward_calls.exact), (backward_calls.static, backward_calls.exact)
+
+
+def assert_same(run, exact, what):
+    loss, grads = run[0], run[1]
+    assert torch.equal(loss, exact[0]), (what, loss, exact[0])
+    assert grads.keys() == exact[1].keys()
+    for name, grad in exact[1].items():
+        assert torch.equal(grads[name], grad), (what, name, float((grads[name] - grad).abs().max()))
+
+
+def check_static_exchange_is_exact(rank, world):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_mixtral_config(num_hidden_layers=2)
+    layers = config.num_hidden_layers
+    reference = AutoModelForCausalLM.from_config(config).float()
+    exact = train_step(reference, rank, 0.0)
+    assert exact[2:] == (False, (0, layers), (0, 0)), exact[2:]
+
+    kept = train_step(reference, rank, NO_OVERFLOW)
+    assert_same(kept, exact, "no overflow")
+    assert kept[2:] == (False, (layers, 0), (0, 0)), kept[2:]
+
+    rerun = train_step(reference, rank, OVERFLOW)
+    assert_same(rerun, exact, "overflow, rerun")
+    assert rerun[2:] == (True, (layers, layers), (0, 0)), rerun[2:]
+
+    for checkpointing, experts in (("full", False), ("none", True)):
+        exact_ac = train_step(reference, rank, 0.0, checkpointing, experts)
+        kept_ac = train_step(reference, rank, NO_OVERFLOW, checkpointing, experts)
+        assert_same(kept_ac, exact_ac, f"{checkpointing}, experts {experts}, no overflow")
+        assert kept_ac[2:] == (False, (layers, 0), (layers, 0)), (checkpointing, kept_ac[2:])  # recomputed static
+        rerun_ac = train_step(reference, rank, OVERFLOW, checkpointing, experts)
+        assert_same(rerun_ac, exact_ac, f"{checkpointing}, experts {experts}, overflow, rerun")
+        assert rerun_ac[2:] == (True, (layers, layers), (0, layers)), (checkpointing, rerun_ac[2:])  # recomputed exactly
+
+
+def test_static_exchange_gives_the_exact_loss_and_gradients_and_reruns_an_overflow():
+    run_ranks(check_static_exchange_is_exact, 2)
+
+
+def check_settings(rank, world):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_mixtral_config(num_hidden_layers=1)).float()
+    shard_moe(model, 2, device="cpu")
+    assert use_static_exchange(model, 0.0) == "" and exchange_mode(model) is None
+    with pytest.raises(ValueError, match="give 0"):
+        use_static_exchange(model, -1.0)
+    one = AutoModelForCausalLM.from_config(tiny_mixtral_config(num_hidden_layers=1)).float()
+    shard_moe(one, 1, device="cpu")
+    assert "no effect at ep 1" in use_static_exchange(one, 2.0) and exchange_mode(one) is None
+    gpt_oss = AutoModelForCausalLM.from_config(tiny_moe_config("gpt_oss")).float()
+    shard_moe(gpt_oss, 2, device="cpu")
+    with pytest.raises(ValueError, match="bias.*--ep_capacity_factor 0"):
+        use_static_exchange(gpt_oss, 2.0)
+    assert "static blocks" in use_static_exchange(model, 2.0)
+    mode = exchange_mode(model)
+    assert mode is not None and all(block.experts.exchange_mode is mode for block in moe_blocks(model))
+    dist.barrier()  # no rank leaves while another still connects the last mesh's groups (gloo: a broken pipe)
+
+
+def test_factor_zero_sets_nothing_ep1_says_so_and_biases_are_refused():
+    run_ranks(check_settings, 2)
+
+
+OVERFLOWING = "0.1"
+
+
+@pytest.fixture(scope="module")
+def static_runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory) -> dict:
+    """The launches side by side: train_fsdp2.py exact, 2.0 and 0.1 without activation checkpointing (and an eval loss
+    at the end), 0.1 with it
+    (against conftest's ``two_rank_run``, the same run exact), and train_fsdp1.py (README's command) with 0.1."""
+    tmp = tmp_path_factory.mktemp("static_exchange")
+    # with an eval loss at the end (eval_loss's forwards go through the same check)
+    args = [*standard_args(tiny_model_dir, small_data), "--ep_size", "2", "--per_device_train_batch_size", "2",
+            "--eval_split", "0.1"]
+    fsdp2 = {"exact": args, "no_overflow": [*args, "--ep_capacity_factor", "2.0"],
+             "overflow": [*args, "--ep_capacity_factor", OVERFLOWING],
+             "overflow_ac": [*standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, "--ep_capacity_factor", OVERFLOWING]}
+    out = {name: str(tmp / name) for name in [*fsdp2, "fsdp1_overflow"]}
+    with ThreadPoolExecutor(len(out)) as pool:
+        launches = [pool.submit(train_fsdp2, 2, out[name], *launch) for name, launch in fsdp2.items()]
+        launches.append(pool.submit(
+            accelerate_launch, readme_command(), "--model_name_or_path", tiny_model_dir, "--data_path", small_data,
+            "--output_dir", out["fsdp1_overflow"], "--max_steps", "4", "--gradient_accumulation_steps", "2", "--warmup_steps",
+            "1", "--ep_size", "2", "--per_device_train_batch_size", "2", "--ep_capacity_factor", OVERFLOWING))
+        printed = {name: launch.result().stdout for name, launch in zip(out, launches)}
+    runs = {name: read_jsonl(os.path.join(path, "metrics.jsonl")) for name, path in out.items()}
+    runs["exact_ac"] = read_jsonl(os.path.join(two_rank_run, "metrics.jsonl"))
+    runs["printed"] = printed
+    return runs
+
+
+def assert_same_steps(records: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in records] == [r["step"] for r in reference] == [1, 2, 3, 4]
+    for a, b in zip(records, reference):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]), (a["step"], key, a[key], b[key])
+        assert a["tokens_per_expert"] == b["tokens_per_expert"], a["step"]
+
+
+@pytest.mark.parametrize("run, reference, reruns", [
+    ("no_overflow", "exact", 0), ("overflow", "exact", 2), ("overflow_ac", "exact_ac", 2), ("fsdp1_overflow", "exact_ac", 2),
+])
+def test_training_with_the_static_exchange_equals_the_exact_exchange(static_runs, run, reference, reruns):
+    assert_same_steps(static_runs[run], static_runs[reference])
+    assert [r["exchange_reruns"] for r in static_runs[run]] == [reruns] * 4  # 2 micro-steps per step
+    assert "exchange_reruns" not in static_runs[reference][0]  # factor 0: the record as before
+    assert "static blocks" in static_runs["printed"][run]
+    if reference == "exact":
+        assert "eval_loss" in static_runs[run][-1]
+        evaluated, expected = static_runs[run][-1]["eval_loss"], static_runs[reference][-1]["eval_loss"]
+        assert abs(evaluated - expected) <= 1e-6 * expected, (evaluated, expected)
