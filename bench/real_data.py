@@ -23,6 +23,9 @@
                    its own FSDP unit: what auto's whole-model unit is measured against at ep = world size)
   ours_synthetic_full_logits, ours_chat_full_logits  ours_synthetic, ours_chat with --chunked_loss false (the loss from
                    full logits: the chunked loss's before/after in the same code)
+  ours_synthetic_static, ours_chat_static  ours_synthetic, ours_chat with --ep_capacity_factor 1.25 (at --ep > 1 the
+                   static expert exchange, no host sync per layer, overflowed micro-steps rerun exactly: against the
+                   exact exchange in the same call; exchange_reruns in the record)
   hf_sdpa          transformers' own model on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
 
@@ -101,7 +104,9 @@ SHRINK = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=32, n
 SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
-        "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
+        "ours_chat_static", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+STATIC_FACTOR = "1.25"  # the *_static runs' ep_capacity_factor: a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
@@ -163,7 +168,8 @@ def ours(run: str, args, work: str) -> dict:
     extra = {"ours_chat_flex": ["--attn_implementation", "flex_attention"], "ours_chat_varlen": ["--attn_implementation", "varlen"],
              "ours_chat_sdpa": ["--attn_implementation", "sdpa"], "ours_synthetic_full_logits": ["--chunked_loss", "false"],
              "ours_chat_full_logits": ["--chunked_loss", "false"], "ours_synthetic_layer_wrap": ["--fsdp_wrap", "layer"],
-             "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"]}.get(run, [])
+             "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"], "ours_synthetic_static": ["--ep_capacity_factor", STATIC_FACTOR],
+             "ours_chat_static": ["--ep_capacity_factor", STATIC_FACTOR]}.get(run, [])
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
     # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).
@@ -232,6 +238,8 @@ def ours(run: str, args, work: str) -> dict:
                   **routing_reached(loads), **rank_loads(per_expert),
                   peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None,
                   alloc_retries=[r.get("alloc_retries") for r in rows])
+    if any("exchange_reruns" in r for r in rows):  # the static exchange: micro-steps rerun exactly, measured steps
+        record["exchange_reruns"] = sum(r["exchange_reruns"] for r in rows)
     return record
 
 
