@@ -8,12 +8,13 @@ exchange again after a kept static forward, the exact one after a rerun. Factor 
 nothing, and expert biases and negative factors are refused with what to do.
 
 End to end at ep 2 on 2 ranks (conftest's standard steps, 2 rows of 256 tokens per rank and micro-step: 1024 rows, about
-512 per peer): train_fsdp2.py with ``--ep_capacity_factor 2.0`` (capacity = every row: no overflow) and 0.1 (capacity
-128: every layer of every micro-step overflows), without and with full activation checkpointing, and train_fsdp1.py
-with 0.1, give the exact run's losses, expert loads and gradient norms at every step to 1e-6 (measured: train_fsdp2.py's equal to
-the last bit on CPU, the rerun being the exact forward and a kept static forward the same rows through the same
-per-expert GEMMs; train_fsdp1.py's, against train_fsdp2.py's exact run, 2.3e-7, FSDP1's own difference from FSDP2);
-the eval loss too; metrics.jsonl counts 2 reruns per step (one per micro-step) where the factor overflows and 0 where it does not.
+512 per peer): train_fsdp2.py with ``--ep_capacity_factor`` 0.1 (capacity 128: every layer of every micro-step
+overflows) under full activation checkpointing, and train_fsdp1.py with 0.1, give the exact run's losses, expert loads
+and gradient norms at every step to 1e-6 (measured: train_fsdp2.py's equal to the last bit on CPU, the rerun being the
+exact forward; train_fsdp1.py's, against train_fsdp2.py's exact run, 2.3e-7, FSDP1's own difference from FSDP2); the
+eval loss too; metrics.jsonl counts 2 reruns per step (one per micro-step); the exact run's record has no such key.
+(An end-to-end run at 2.0, no overflow, also equalled the exact run to the bit with 0 reruns when this was written;
+it left the suite for time: the layer tests hold that path bitwise.)
 """
 
 import copy
@@ -158,16 +159,13 @@ OVERFLOWING = "0.1"
 
 @pytest.fixture(scope="module")
 def static_runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory) -> dict:
-    """The launches side by side: train_fsdp2.py exact, 2.0 and 0.1 without activation checkpointing (and an eval loss
-    at the end), 0.1 with it
-    (against conftest's ``two_rank_run``, the same run exact), and train_fsdp1.py (README's command) with 0.1."""
+    """Three launches side by side: train_fsdp2.py exact and with 0.1 (every micro-step overflows), both with full
+    activation checkpointing and an eval loss at the end (eval_loss's forwards go through the same check), and
+    train_fsdp1.py (README's command) with 0.1, against conftest's ``two_rank_run`` (the same run exact, no eval). The
+    no-overflow path is held bitwise by the layer tests above (one launch fewer for the suite's time)."""
     tmp = tmp_path_factory.mktemp("static_exchange")
-    # with an eval loss at the end (eval_loss's forwards go through the same check)
-    args = [*standard_args(tiny_model_dir, small_data), "--ep_size", "2", "--per_device_train_batch_size", "2",
-            "--eval_split", "0.1"]
-    fsdp2 = {"exact": args, "no_overflow": [*args, "--ep_capacity_factor", "2.0"],
-             "overflow": [*args, "--ep_capacity_factor", OVERFLOWING],
-             "overflow_ac": [*standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, "--ep_capacity_factor", OVERFLOWING]}
+    args = [*standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, "--eval_split", "0.1"]
+    fsdp2 = {"exact": args, "overflow": [*args, "--ep_capacity_factor", OVERFLOWING]}
     out = {name: str(tmp / name) for name in [*fsdp2, "fsdp1_overflow"]}
     with ThreadPoolExecutor(len(out)) as pool:
         launches = [pool.submit(train_fsdp2, 2, out[name], *launch) for name, launch in fsdp2.items()]
@@ -177,7 +175,7 @@ def static_runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory) -> d
             "1", "--ep_size", "2", "--per_device_train_batch_size", "2", "--ep_capacity_factor", OVERFLOWING))
         printed = {name: launch.result().stdout for name, launch in zip(out, launches)}
     runs = {name: read_jsonl(os.path.join(path, "metrics.jsonl")) for name, path in out.items()}
-    runs["exact_ac"] = read_jsonl(os.path.join(two_rank_run, "metrics.jsonl"))
+    runs["exact_no_eval"] = read_jsonl(os.path.join(two_rank_run, "metrics.jsonl"))
     runs["printed"] = printed
     return runs
 
@@ -190,9 +188,7 @@ def assert_same_steps(records: list[dict], reference: list[dict]) -> None:
         assert a["tokens_per_expert"] == b["tokens_per_expert"], a["step"]
 
 
-@pytest.mark.parametrize("run, reference, reruns", [
-    ("no_overflow", "exact", 0), ("overflow", "exact", 2), ("overflow_ac", "exact_ac", 2), ("fsdp1_overflow", "exact_ac", 2),
-])
+@pytest.mark.parametrize("run, reference, reruns", [("overflow", "exact", 2), ("fsdp1_overflow", "exact_no_eval", 2)])
 def test_training_with_the_static_exchange_equals_the_exact_exchange(static_runs, run, reference, reruns):
     assert_same_steps(static_runs[run], static_runs[reference])
     assert [r["exchange_reruns"] for r in static_runs[run]] == [reruns] * 4  # 2 micro-steps per step
