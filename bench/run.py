@@ -446,12 +446,34 @@ def ep_scaling_table(records: list[dict]) -> str:
             per_gpu[(run, n)] = (r["tokens_per_s"] / n, r["median_step_s"])
     lines = ["| run | GPUs (ep) | s/step | tokens/s per GPU | of one GPU | ours / transformers |", "|---|---|---|---|---|---|"]
     for (run, n), (tps, step) in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        one = per_gpu.get((run, 1))
+        # a *_static run (the static exchange does nothing on one GPU) against its exact run's one GPU
+        one = per_gpu.get((run, 1)) or per_gpu.get((run.removesuffix("_static"), 1))
         peer_tps = per_gpu.get((peer_of(run), n)) if not run.startswith("transformers") else None
         ratio = f"{tps / peer_tps[0]:.2f}x" if peer_tps else ""
         lines.append(f"| {run} | {n} | {step:.3f} | {tps:,.0f} | {f'{tps / one[0]:.0%}' if one else ''} | {ratio} |")
     failed = [f"{r.get('name')}: {r.get('status')} {str(r.get('error', ''))[:120]}" for r in records if r.get("status") != "ok"]
-    return "\n".join(lines + failed)
+    return "\n".join(lines + failed + ep_scaling_notes(records))
+
+
+def ep_scaling_notes(records: list[dict]) -> list[str]:
+    """What else ours' records say, a line per run that has any of it: the busiest ep rank's rows over the mean at
+    its GPU count (real_data.py's rank_loads), the micro-steps rerun on the exact exchange (the *_static runs), the
+    host's CPU (it paces the step at ep > 1)."""
+    notes = []
+    for r in records:
+        if r.get("status") != "ok" or "tokens_per_s" not in r:
+            continue
+        n, facts = r["gpus_used"], []
+        load = r.get("busiest_rank_over_mean", {}).get(str(n))
+        if load:
+            facts.append(f"busiest rank / mean {load[0]:.2f} (largest layer {load[1]:.2f})")
+        if "exchange_reruns" in r:
+            facts.append(f"{r['exchange_reruns']} micro-steps rerun exactly")
+        if r.get("host_cpu"):
+            facts.append(f"host {r['host_cpu']}")
+        if facts:
+            notes.append(f"{r['run']} on {n} GPU{'s' if n > 1 else ''}: {'; '.join(facts)}")
+    return notes
 
 
 def repeats_summary(rows: list[dict]) -> str:
