@@ -36,14 +36,14 @@ T = TypeVar("T")
 
 
 class ExchangeMode:
-    """One model's static exchange: the capacity factor, whether the layers must take the exact exchange (``exact``),
-    the overflow flags its layers added since the last arm (``flags``) and the forwards rerun so far (``reruns``)."""
+    """One model's static exchange: the capacity factor, whether the layers must take the exact exchange (``exact``)
+    and the overflow flags its layers added since the last arm (``flags``). Reruns are counted by the caller
+    (``run_exactly`` says whether it reran: StepLoss puts them in the step's record)."""
 
     def __init__(self, capacity_factor: float):
         self.capacity_factor = capacity_factor
         self.exact = False
         self.flags: list[torch.Tensor] = []
-        self.reruns = 0
 
 
 # The modes of live models: while there is none, ``run_exactly`` looks for nothing (the default run's host time).
@@ -110,6 +110,5 @@ def run_exactly(model: nn.Module, forward: Callable[[], T], group: dist.ProcessG
         return result, False
     del result  # its activations can go before the rerun makes its own
     mode.exact = True  # until the next arm: a checkpointed recompute in the backward takes the exact path too
-    mode.reruns += 1
     _set_rng_states(rng, torch.device(device))
     return forward(), True
