@@ -30,7 +30,7 @@ output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF mode
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
-ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange in fixed blocks of this x a peer's mean rows, no host sync; a micro-step that overflows reruns exactly (0: the exact exchange)
+ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange in fixed blocks of this x a peer's mean rows, no host sync; a micro-step that overflows reruns exactly (under CUDA graphs: the step) (0: the exact exchange)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
 finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in the compute dtype, adapters train; final/ is a PEFT adapter)
@@ -60,7 +60,7 @@ dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "b
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
-fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once, kept through the step: no per-layer hooks on the host, more memory), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
+fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once, kept through the step: no per-layer hooks on the host, more memory), "none" (ep = world size, --optim adamw_bf16: no FSDP, dense weights whole on every rank, gradients averaged once a step; with ep_capacity_factor > 0 the micro-steps can be CUDA graphs), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 cuda_graphs = "auto"  # each micro-step replayed from a CUDA graph after 2 warm-up steps: "auto" (one GPU, where the step allows it), "true", "false"
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
@@ -95,12 +95,13 @@ from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
 )
-from megablocks_utils.parallel.mesh import check_dp_replicate, check_ep_size  # noqa: E402
+from megablocks_utils.parallel.mesh import FSDP_UNITS_TEXT, check_dp_replicate, check_ep_size  # noqa: E402
 from megablocks_utils.train.cuda_graph import (  # noqa: E402
     DOCUMENT_MULTIPLE,
     MicroStepGraphs,
     graph_blocker,
     resolve_cuda_graphs,
+    zero_grads,
 )
 from megablocks_utils.train.memory_plan import (  # noqa: E402
     check_checkpointed_layers,
@@ -132,7 +133,9 @@ try:
     resolve_cuda_graphs(cuda_graphs, graph_blocker(
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
         attention=None, activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
-        lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16))
+        lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
+        fsdp=int(os.environ.get("WORLD_SIZE", 1)) > 1 and fsdp_wrap != "none", static_exchange=ep_capacity_factor > 0,
+        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1))))
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
     ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
@@ -144,6 +147,7 @@ except InputError as e:
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
+    average_replicated_grads,
     build_mesh,
     clipped_step,
     expert_parameters,
@@ -163,7 +167,12 @@ from megablocks_utils.moe.balance import (  # noqa: E402
     routing_bias_note,
     update_routing_bias,
 )
-from megablocks_utils.moe.exchange_mode import use_static_exchange  # noqa: E402
+from megablocks_utils.moe.exchange_mode import (  # noqa: E402
+    exact_exchange,
+    exchange_mode,
+    step_overflowed,
+    use_static_exchange,
+)
 from megablocks_utils.parallel.parallelize import (  # noqa: E402
     fsdp_left_out,
     parallelize,
@@ -295,7 +304,7 @@ if load_balance_coeff > 0:  # before a checkpoint is loaded: it restores the bia
 if master:
     print(
         f"world {world_size} = dp {mesh.dp_size} x ep {mesh.ep_size} (experts {'sharded' if experts_sharded else 'replicated'} "
-        f"over dp, dp_replicate {dp_replicate}; FSDP units: {'the whole model' if fsdp_wrap == 'model' else 'each layer'}); optim {optim}; "
+        f"over dp, dp_replicate {dp_replicate}; FSDP units: {FSDP_UNITS_TEXT[fsdp_wrap]}); optim {optim}; "
         + (f"LoRA r {lora.r} on {', '.join(lora.targets)} ({plan.adapters / 1e6:.2f} M adapter params, the rest frozen); " if lora else "")
         + f"attention {attention_choice}; {data.describe(batches.per_step)}; "
         f"{total_steps} steps", flush=True,
@@ -304,9 +313,12 @@ if master:
 # ----------------------------------------------------------------------------- parallelize
 # EP was applied while loading; then activation checkpointing, compile and FSDP2 (experts over dp,
 # dense weights over all ranks), in that order (megablocks_utils/parallel/parallelize.py).
-compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
-                       activation_checkpointing_layers=activation_checkpointing_layers, checkpoint_experts=checkpoint_experts,
-                       compile_dense=compile_dense, fsdp_wrap=fsdp_wrap, device=device)
+try:  # fsdp_wrap none with weights FSDP would have cast is refused here (parallelize.check_replicated_dense)
+    compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
+                           activation_checkpointing_layers=activation_checkpointing_layers, checkpoint_experts=checkpoint_experts,
+                           compile_dense=compile_dense, fsdp_wrap=fsdp_wrap, device=device)
+except ValueError as e:
+    fail(e)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
 left_out = fsdp_left_out(model, mesh, compute_dtype)
@@ -316,7 +328,8 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
     use_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, graph_blocker(
         device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
-        lora=bool(lora), dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules())))
+        lora=bool(lora), dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules()),
+        ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None))
 except InputError as e:
     fail(e)
 if master:
@@ -380,6 +393,25 @@ world_group = mesh.world.get_group()
 # After the warm-up steps each micro-step (forward, loss, backward) is replayed from a CUDA graph; gradients then stay
 # allocated: the graphs add into them (the experts' are written over by a step's first micro-step, the rest zeroed).
 graphs = MicroStepGraphs(model, device, announce=progress.write if master else None) if use_graphs else None
+# Under graphs a static exchange's overflow is not checked per micro-step but once a step (moe/exchange_mode.py)
+defer_overflow = graphs is not None and exchange_mode(model) is not None
+
+
+def micro_steps(step_loss, micro_batches, replay: bool) -> None:
+    """Each micro-batch's forward, loss and backward: from CUDA graphs after their warm-up where ``replay``."""
+    for i, indices in enumerate(micro_batches):
+        # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
+        set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
+        # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
+        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
+                        document_multiple=DOCUMENT_MULTIPLE if graphs else 1)
+        if replay:
+            graphs.micro_step(step_loss, batch, steps_done=step - start_step, first=i == 0)
+        else:
+            loss, _ = step_loss.micro_batch(model, batch)
+            loss.backward()
+
+
 run_start = time.perf_counter()
 clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
 for step in range(start_step, total_steps):
@@ -387,18 +419,20 @@ for step in range(start_step, total_steps):
     micro_batches, step_label_tokens = batches.micro_batches(step)
     # Each rank's loss is world_size x its share of the step's global token mean, so FSDP's average over
     # ranks gives the global mean's gradient (megablocks_utils/train/step.py); the step's sums go with it.
-    step_loss = StepLoss(step + 1, step_label_tokens, len(micro_batches), aux_coef=aux_coef, group=world_group, device=device)
-    for i, indices in enumerate(micro_batches):
-        # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
-        set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
-        # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
-        batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
-                        document_multiple=DOCUMENT_MULTIPLE if graphs else 1)
-        if graphs is not None:
-            graphs.micro_step(step_loss, batch, steps_done=step - start_step, first=i == 0)
-        else:
-            loss, _ = step_loss.micro_batch(model, batch)
-            loss.backward()
+    step_loss = StepLoss(step + 1, step_label_tokens, len(micro_batches), aux_coef=aux_coef, group=world_group, device=device,
+                         defer_overflow=defer_overflow)
+    micro_steps(step_loss, micro_batches, replay=graphs is not None)
+    if defer_overflow and step_overflowed(step_loss.overflow, world_group):  # one read a step
+        # Some rank's static exchange dropped rows: the step again from zero gradients, eagerly, on the exact exchange
+        # (no optimizer step was taken); exchange_reruns counts its micro-steps.
+        zero_grads(model.parameters())
+        step_loss = StepLoss(step + 1, step_label_tokens, len(micro_batches), aux_coef=aux_coef, group=world_group, device=device,
+                             defer_overflow=True)
+        with exact_exchange(model):
+            micro_steps(step_loss, micro_batches, replay=False)
+        step_loss.sums.exchange_reruns = len(micro_batches)
+    if fsdp_wrap == "none":  # dense weights whole on every rank: their gradients averaged here, once a step
+        average_replicated_grads(model.parameters(), world_group)
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
     grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)

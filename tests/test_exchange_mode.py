@@ -30,7 +30,13 @@ from torch.distributed.tensor import DTensor
 
 import megablocks_utils.moe.layer as layer_module
 from megablocks_utils import causal_lm_loss_sum, count_label_tokens, moe_blocks, router_stats, shard_moe
-from megablocks_utils.moe.exchange_mode import exchange_mode, run_exactly, use_static_exchange
+from megablocks_utils.moe.exchange_mode import (
+    exact_exchange,
+    exchange_mode,
+    run_exactly,
+    step_overflowed,
+    use_static_exchange,
+)
 from megablocks_utils.parallel.activation_checkpointing import apply_activation_checkpointing
 
 NO_OVERFLOW = 4.0  # capacity = every row a rank sends
@@ -126,6 +132,66 @@ def check_static_exchange_is_exact(rank, world):
 
 def test_static_exchange_gives_the_exact_loss_and_gradients_and_reruns_an_overflow():
     run_ranks(check_static_exchange_is_exact, 2)
+
+
+def deferred_step(reference, rank, factor):
+    """A step of two micro-batches as train_fsdp2.py runs it under CUDA graphs (``StepLoss(defer_overflow=True)``, one
+    check after the micro-steps, the step again on the exact exchange when any rank overflowed): its loss sums, every
+    gradient, whether it was rerun and the exchanges its first pass called."""
+    from megablocks_utils.data.batches import collate
+    from megablocks_utils.train.cuda_graph import zero_grads
+    from megablocks_utils.train.step import StepLoss
+
+    model = copy.deepcopy(reference)
+    mesh = shard_moe(model, 2, device="cpu")
+    use_static_exchange(model, factor)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, model.config.vocab_size, (4, 64), generator=g).tolist()]
+    micro_batches = [collate(rows[:2], 0, "cpu", 64), collate(rows[2:], 0, "cpu", 64)]
+    group = mesh.world.get_group()
+
+    def step():
+        step_loss = StepLoss(1, 2 * sum(count_label_tokens(b["labels"]) for b in micro_batches), 2, aux_coef=0.02,
+                             group=group, device="cpu", defer_overflow=True)
+        for batch in micro_batches:
+            loss, _ = step_loss.micro_batch(model, batch)
+            loss.backward()
+        return step_loss
+
+    with ExchangeCalls() as calls:
+        step_loss = step()
+    rerun = step_overflowed(step_loss.overflow, group)
+    if rerun:
+        zero_grads(model.parameters())
+        with exact_exchange(model):
+            step_loss = step()
+        assert exchange_mode(model).exact is False  # static again after the block
+    step_loss.sums.all_reduce(group)
+    grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+    return torch.tensor([step_loss.sums.ce_sum, step_loss.sums.aux]), grads, rerun, (calls.static, calls.exact)
+
+
+def check_deferred_overflow_reruns_the_step(rank, world):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(tiny_mixtral_config(num_hidden_layers=2)).float()
+    layers = 2 * 2  # layers x micro-steps
+    exact = deferred_step(reference, rank, 0.0)
+    assert exact[2:] == (False, (0, layers)), exact[2:]
+    kept = deferred_step(reference, rank, NO_OVERFLOW)
+    assert_same(kept, exact, "deferred, no overflow")
+    assert kept[2:] == (False, (layers, 0)), kept[2:]
+    rerun = deferred_step(reference, rank, OVERFLOW)
+    assert_same(rerun, exact, "deferred, overflow, the step rerun")
+    assert rerun[2:] == (True, (layers, 0)), rerun[2:]
+
+
+def test_a_deferred_overflow_reruns_the_whole_step_exactly():
+    """Under CUDA graphs (no check between a micro-step's forward and backward) an overflow is found after the step's
+    micro-steps; the step from zeroed gradients on the exact exchange gives the exact step's sums and gradients."""
+    run_ranks(check_deferred_overflow_reruns_the_step, 2)
 
 
 def check_settings(rank, world):

@@ -127,6 +127,23 @@ def test_whole_model_fsdp_unit_gathers_every_layer():
         estimate_memory(four, world_size=2, max_length=5, per_device_train_batch_size=3, fsdp_wrap="auto")
 
 
+def test_replicated_dense_weights_are_whole_on_every_rank():
+    """fsdp_wrap "none" (ep = world size): each rank holds all dense weights (4 layers of 240 + root 168), their
+    gradients and state, nothing gathered; only the fp32 bucket of the once-a-step average. Refused at dp > 1."""
+    four = dict(TINY, num_hidden_layers=4)
+    plan = dict(world_size=2, ep_size=2, optim="adamw_bf16", shard_experts=True, max_length=5, per_device_train_batch_size=3,
+                gradient_accumulation_steps=2)
+    layer, none = (estimate_memory(four, fsdp_wrap=wrap, **plan) for wrap in ("layer", "none"))
+    dense = 168 + 4 * 240
+    # params (bf16, 2 bytes): all dense on each rank against half of them sharded
+    assert none.params - layer.params == 2 * dense / 2
+    assert none.gathered_weights == 0 and none.accumulated_grads == 0 and not none.fsdp
+    assert none.gathered_grads == 4 * dense  # the fp32 bucket (smaller than REPLICATED_BUCKET here)
+    assert "dense weights whole on every rank" in none.describe()
+    with pytest.raises(InputError, match="ep = world size"):
+        estimate_memory(four, fsdp_wrap="none", **dict(plan, ep_size=1))
+
+
 def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fits():
     sizes = {"layer": 10 * GiB, "model": 12 * GiB}
     plan = lambda wrap: type("E", (), {"total": sizes[wrap]})()  # noqa: E731

@@ -8,11 +8,13 @@ import copy
 import pytest
 import torch
 from conftest import run_ranks, tiny_mixtral_config
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from megablocks_utils import (
     IGNORE_INDEX,
+    average_replicated_grads,
     build_mesh,
     clip_grad_norm_,
     count_label_tokens,
@@ -76,12 +78,16 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked, fsdp_wrap
         set_gradient_sync(model, mesh, i == len(micro_steps) - 1)
         loss, _ = step_loss.micro_batch(model, collate(rows[2 * rank : 2 * rank + 2], 0, "cpu", LENGTH))
         # The root unit (embeddings, head; every dense weight with fsdp_wrap "model"): with "model" gathered through the
-        # forward; with "layer" sharded after it (parallelize passes reshard_after_forward to the root too).
+        # forward; with "layer" sharded after it (parallelize passes reshard_after_forward to the root too); with
+        # "none" never sharded (whole on every rank).
         assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == (fsdp_wrap == "layer"), (i, fsdp_wrap)
         loss.backward()
         # It stays gathered from one backward to the next micro-step's forward, and is sharded after the step's last.
         last = i == len(micro_steps) - 1
-        assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == last, (i, fsdp_wrap)
+        assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == (last and fsdp_wrap != "none"), (i, fsdp_wrap)
+    if fsdp_wrap == "none":  # as train_fsdp2.py: the whole dense weights' gradients averaged once a step
+        assert not any(isinstance(m, FSDPModule) for m in model.modules())
+        average_replicated_grads(model.parameters(), mesh.world.get_group())
     grad_norm = clip_grad_norm_(model.parameters(), float("inf"))
     assert step_loss.check(NonFiniteSteps("stop", 5), grad_norm) is False
     sums = step_loss.sums
@@ -95,10 +101,11 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked, fsdp_wrap
         assert rel_err(grad, ref_params[name].grad) <= TOL, (name, rel_err(grad, ref_params[name].grad))
     # An eval pass (no backward) leaves no unit gathered: a later in-place edit (LoRA's merge) must reach the weights.
     eval_loss(model, samples(config.vocab_size)[:4], 2, 0, "cpu", mesh.world.get_group(), LENGTH)
-    assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor), fsdp_wrap
+    assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == (fsdp_wrap != "none"), fsdp_wrap
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked_loss"])
-@pytest.mark.parametrize("ep_size,fsdp_wrap", [(1, "layer"), (2, "layer"), (2, "model")], ids=["dp2", "ep2", "ep2-model-unit"])
+@pytest.mark.parametrize("ep_size,fsdp_wrap", [(1, "layer"), (2, "layer"), (2, "model"), (2, "none")],
+                         ids=["dp2", "ep2", "ep2-model-unit", "ep2-replicated-dense"])
 def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(ep_size, fsdp_wrap, chunked):
     run_ranks(check_step_loss_is_one_process_step, 2, ep_size, chunked, fsdp_wrap)

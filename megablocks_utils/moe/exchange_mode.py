@@ -14,6 +14,11 @@ world, not the ep group. ``exact`` stays on until the next arm: activation check
 then takes the path its forward took (a static recompute has the same capacity, hence the same blocks). The result
 is the exact path's: a kept static forward dropped no row, and a rerun is the exact forward itself.
 
+Under CUDA graphs (train/cuda_graph.py, ep = world size) a micro-step cannot stop between its forward and backward to
+read a flag: ``StepLoss(defer_overflow=True)`` keeps each micro-step's flag on the device with the step's numbers
+(``step_overflow``), the script reads it once the step's micro-steps are done and, when any rank overflowed, zeroes the
+gradients and runs the whole step again eagerly inside ``exact_exchange`` (no optimizer step was taken yet).
+
 Off (no mode, the default, and at ep 1 where there is no exchange) ``run_exactly`` is the forward alone: no
 collective, no host read. Not for megablocks (it moves the tokens itself) nor for experts with a bias (gpt-oss: the
 bias's one-hot covers all rows, padding included), nor with ``overlap_chunks`` > 1 (those layers keep the exact
@@ -22,7 +27,8 @@ exact path's (still dropout; a rerun restores the RNG and draws the exact path's
 """
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -112,3 +118,43 @@ def run_exactly(model: nn.Module, forward: Callable[[], T], group: dist.ProcessG
     mode.exact = True  # until the next arm: a checkpointed recompute in the backward takes the exact path too
     _set_rng_states(rng, torch.device(device))
     return forward(), True
+
+
+def forward_deferred(model: nn.Module, forward: Callable[[], T]) -> tuple[T, torch.Tensor | None]:
+    """``forward()`` with its layers on the static exchange (unless ``exact_exchange`` is on) and, instead of a check,
+    whether any layer overflowed: a device bool, nothing read on the host (None where no layer ran static). The caller
+    must not keep the result of a forward that overflowed (``StepLoss`` with ``defer_overflow``: the script reruns the
+    step inside ``exact_exchange``)."""
+    mode = exchange_mode(model)
+    if mode is None:
+        return forward(), None
+    mode.flags = []
+    result = forward()
+    overflow = torch.stack(mode.flags).any() if mode.flags else None
+    mode.flags = []
+    return result, overflow
+
+
+def step_overflowed(overflow: torch.Tensor | None, group: dist.ProcessGroup | None) -> bool:
+    """Whether any rank's static exchange overflowed in this step (``overflow``: this rank's flag, or None where
+    nothing ran static): one all-reduce and one host read. Collective over ``group`` (all ranks)."""
+    flag = torch.zeros(1, dtype=torch.int32) if overflow is None else overflow.to(torch.int32).reshape(1)
+    if group is None or dist.get_world_size(group) > 1:
+        if overflow is None and dist.get_backend(group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+@contextmanager
+def exact_exchange(model: nn.Module) -> Iterator[None]:
+    """Every layer on the exact exchange inside the block (a step rerun after ``step_overflowed``); the static one after."""
+    mode = exchange_mode(model)
+    if mode is None:
+        yield
+        return
+    mode.exact = True
+    try:
+        yield
+    finally:
+        mode.exact = False

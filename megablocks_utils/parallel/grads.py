@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megablocks_utils.moe.blocks import expert_parameters
-from megablocks_utils.parallel.mesh import MoEMesh
+from megablocks_utils.parallel.mesh import REPLICATED_BUCKET, MoEMesh
 
 
 def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
@@ -42,6 +42,32 @@ def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
             g.copy_(reduced.view_as(g))
     for g in grads:
         g.div_(mesh.world_size)
+
+
+def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
+    """Average the gradients of weights every rank holds whole (plain tensors, not DTensors: the dense weights with
+    ``fsdp_wrap`` "none") over ``group`` (all ranks), once a step after the last micro-step: what FSDP's reduce does
+    for them otherwise (each rank's loss is world_size x its share of the global mean). Summed in fp32 whatever the
+    gradients' dtype, as FSDP reduces, a bucket of up to ``REPLICATED_BUCKET`` elements per collective. Collective."""
+    world_size = dist.get_world_size(group)
+    grads = [p.grad for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if world_size == 1 or not grads:
+        return
+    bucket: list[torch.Tensor] = []
+
+    def flush() -> None:
+        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world_size)
+        for g, reduced in zip(bucket, torch.split(flat, [g.numel() for g in bucket])):
+            g.copy_(reduced.view_as(g))
+        bucket.clear()
+
+    for g in grads:
+        if bucket and sum(b.numel() for b in bucket) + g.numel() > REPLICATED_BUCKET:
+            flush()
+        bucket.append(g)
+    flush()
 
 
 def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.ProcessGroup | None) -> float:

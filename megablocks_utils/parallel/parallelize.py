@@ -17,7 +17,9 @@
    replicated over "dp_replicate", sharded over "dp_shard"), then each decoder layer and the root
    over ``mesh.dense``. The experts' reduce-scatter divides by ``world_size`` (not by its dp size):
    an expert's gradient holds only its own ep group's tokens, and each rank's loss is
-   ``world_size`` times its share of the global mean (``grads.py``). Experts left out of FSDP (dp = 1: nothing
+   ``world_size`` times its share of the global mean (``grads.py``). With ``fsdp_wrap`` "none" (ep = world size,
+   weights in the compute dtype) the dense weights stay whole on every rank instead, their gradients averaged once a
+   step by the script (``grads.average_replicated_grads``). Experts left out of FSDP (dp = 1: nothing
    to shard) get that division in the backward of the MoE layer's cast of their weights instead
    (``ExpertParallelExperts.grad_divisor``).
 
@@ -105,6 +107,19 @@ def fsdp_left_out(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> 
     return ""
 
 
+def check_replicated_dense(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype) -> None:
+    """``fsdp_wrap`` "none" is for ep = world size with weights already in the compute dtype: FSDP would otherwise
+    still shard the experts over dp, or be the only cast of fp32 weights to ``param_dtype``."""
+    if mesh.expert_fsdp.size() > 1:
+        raise ValueError(f"fsdp_wrap none needs ep = world size (here ep {mesh.ep_size} of {mesh.world_size} ranks: the "
+                         "experts are sharded over dp by FSDP); use --fsdp_wrap auto, or --ep_size equal to the GPU count")
+    wrong = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()
+                    if not is_adapter_name(n) and p.dtype != param_dtype})
+    if wrong:
+        raise ValueError(f"fsdp_wrap none keeps the weights as they are, but some are {', '.join(wrong)} and the compute dtype is "
+                         f"{str(param_dtype).removeprefix('torch.')} (FSDP would cast them); use --optim adamw_bf16, or --fsdp_wrap auto")
+
+
 def experts_need_fsdp(mesh: MoEMesh) -> bool:
     """False where the experts' FSDP mesh has one rank (dp = 1: ep = world size, or one GPU): there is nothing
     to shard, and FSDP would still copy each layer's experts into a one-rank all-gather (and cast them), twice
@@ -145,6 +160,9 @@ def _apply_fsdp(model: nn.Module, mesh: MoEMesh, param_dtype: torch.dtype, resha
             # then a division. Not with one shard: torch (2.13) then divides twice on that path.
             experts.set_force_sum_reduction_for_comms(True)
     if not needs_fsdp(model, mesh, param_dtype):
+        return
+    if fsdp_wrap == "none":  # replicated dense weights (mesh.FSDP_WRAPS); the script averages their gradients
+        check_replicated_dense(model, mesh, param_dtype)
         return
     if fsdp_wrap == "model":  # one unit: gathered at the forward, kept through the backward (set_gradient_sync: the step)
         fully_shard(model, mesh=mesh.dense, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=left_out or None)

@@ -6,8 +6,14 @@ from Python, and the host took about as long to launch them as the GPU to run th
 micro-step costs the host a few copies and one launch.
 
 What makes a micro-step capturable, and where that is ensured:
-- one process: no collective, no FSDP hook; the native MoE layer at ep 1 and the attention kernels ``graph_blocker``
-  allows make no host sync in a step (tests/gpu/test_step_no_sync.py);
+- no FSDP hook and no host sync: the native MoE layer at ep 1 and the attention kernels ``graph_blocker`` allows make
+  none in a step (tests/gpu/test_step_no_sync.py). At ep = world size > 1 the same with the static exchange (fixed
+  all-to-all splits, overflow kept on the device: ``StepLoss(defer_overflow=True)``, the step rerun exactly by the
+  script when any rank overflowed) and the dense weights whole on every rank (``fsdp_wrap`` "none", their gradients
+  averaged after the micro-steps). Every rank must capture and replay the same graphs in the same order (their NCCL
+  calls pair up): the signatures below are the same on every rank where shapes are fixed; varlen's document count,
+  padded to a multiple of ``DOCUMENT_MULTIPLE``, could differ between ranks only with more documents than that in a
+  micro-batch (then one rank captures while another replays: the eager warm-up's collectives still pair, not verified);
 - fixed shapes: every row is max_length tokens and every micro-batch has as many rows (``data.collate``,
   ``GlobalBatches``); varlen's document boundaries come padded with empty documents to a multiple of
   ``DOCUMENT_MULTIPLE``. A graph is captured for each shape signature, all in one memory pool (their work never
@@ -31,6 +37,7 @@ from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -47,20 +54,33 @@ CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
 
 
 def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str | None, activation_checkpointing: str,
-                  checkpoint_experts: bool, lora: bool, dtype: torch.dtype = torch.bfloat16, fsdp: bool = False) -> str | None:
+                  checkpoint_experts: bool, lora: bool, dtype: torch.dtype = torch.bfloat16, fsdp: bool = False,
+                  ep_size: int = 1, static_exchange: bool = False) -> str | None:
     """Why this run's micro-steps cannot be CUDA graphs, or None when they can (``dtype``: the compute dtype; ``fsdp``:
-    whether FSDP wraps any part of the model, as it does on one GPU to cast weights kept in another dtype). The scripts
-    ask once with the settings alone (``attention`` None: not yet chosen), to refuse ``cuda_graphs true`` before any
-    loading, and again once the model is parallelized."""
+    whether FSDP wraps any part of the model, as it does on one GPU to cast weights kept in another dtype, and on
+    several unless ``fsdp_wrap`` is "none"; ``static_exchange``: ``ep_capacity_factor`` > 0). The scripts ask once with
+    the settings alone (``attention`` None: not yet chosen), to refuse ``cuda_graphs true`` before any loading, and
+    again once the model is parallelized.
+
+    Several ranks: only at ep = world size (no FSDP on the experts), with the static exchange (the exact one sizes its
+    all-to-all on the host) and the dense weights whole on every rank (``fsdp_wrap`` "none"); the graphs then hold the
+    exchange's NCCL all-to-alls and the aux loss's all-reduces."""
     if device_type != "cuda":
         return "CUDA graphs need a GPU"
     if dtype != torch.bfloat16:
         return (f"{str(dtype).removeprefix('torch.')} compute: the experts run their per-expert loop, which reads the routed "
                 "counts on the host (the grouped GEMMs take bf16)")
     if world_size != 1:
-        return (f"{world_size} ranks: FSDP's hooks and the expert all-to-all (sized on the host) run between the kernels; "
-                "CUDA graphs are for one GPU")
-    if fsdp:
+        if ep_size != world_size:
+            return (f"{world_size} ranks at ep {ep_size}: FSDP shards the experts over dp, in hooks between the kernels; "
+                    f"graphs on several GPUs need ep = world size ({world_size})")
+        if not static_exchange:
+            return ("the exact expert exchange sizes its all-to-all on the host at every layer; --ep_capacity_factor 1.25 "
+                    "(the static exchange, moe/exchange_mode.py) allows graphs")
+        if fsdp:
+            return ("FSDP gathers and reduces the dense weights in hooks between the kernels; --fsdp_wrap none (dense weights "
+                    "whole on every rank) with --optim adamw_bf16 allows graphs")
+    elif fsdp:
         return ("FSDP casts the weights (kept in fp32 for the optimizer) in hooks that reallocate them at every forward; "
                 "--optim adamw_bf16 keeps bf16 weights, which one GPU trains without FSDP")
     if moe_backend != "native":
@@ -222,8 +242,11 @@ class MicroStepGraphs:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         graph = torch.cuda.CUDAGraph()
+        # Several ranks: c10d's watchdog thread queries CUDA events while this thread captures; "thread_local" keeps
+        # that legal (the default mode would fail the capture). One rank keeps the default.
+        mode = "thread_local" if dist.is_initialized() and dist.get_world_size() > 1 else "global"
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # synchronizes and empties the cache first
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=mode):  # synchronizes and empties the cache first
                 captured_numbers = forward_backward()
         except RuntimeError as e:  # e.g. a host sync in a model's forward that no check here knows of
             raise RuntimeError(f"cuda_graphs: capturing the micro-step failed ({str(e).splitlines()[0][:300]}); something in "

@@ -35,7 +35,7 @@ from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.loading import load_config
 from megablocks_utils.model.lora import DEFAULT_TARGETS
 from megablocks_utils.parallel.activation_checkpointing import checkpointed_layers
-from megablocks_utils.parallel.mesh import FSDP_WRAPS, check_ep_size
+from megablocks_utils.parallel.mesh import FSDP_WRAPS, REPLICATED_BUCKET, check_ep_size
 from megablocks_utils.train.loss import loss_chunk_rows
 
 GiB = 2**30
@@ -407,7 +407,7 @@ class MemoryEstimate:
             + (f" (dp_replicate {p.dp_replicate})" if p.dp_replicate > 1 else "")
             + f", shard_experts {str(self.shard_experts).lower()}, optim {p.optim}, micro batch {p.per_device_train_batch_size}"
             f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
-            f"{checkpointing_text(self)}" + (", FSDP units: the whole model" if p.fsdp_wrap == "model" else "")
+            f"{checkpointing_text(self)}" + {"model": ", FSDP units: the whole model", "none": ", dense weights whole on every rank (no FSDP)"}.get(p.fsdp_wrap, "")
             + (f", LoRA r {p.lora_r} ({self.adapters / 1e6:.1f} M adapter params train; the weights are frozen in bf16)"
                if p.finetuning == "lora" else ""),
             "per GPU                GiB",
@@ -425,7 +425,8 @@ class MemoryEstimate:
         ]:
             lines.append(f"  {label:<19}{value / GiB:7.1f}")
         if not self.fsdp and p.gradient_accumulation_steps > 1:
-            why = "no FSDP on one rank: grads accumulate in place and meet the next micro-step's activations + logits"
+            where = "dense weights whole on every rank" if p.fsdp_wrap == "none" and p.world_size > 1 else "one rank"
+            why = f"no FSDP ({where}): grads accumulate in place and meet the next micro-step's activations + logits"
         elif self.expert_grads_persist:
             why = ("expert grads live across micro-steps, next to activations + logits + accumulated grads; dense grads "
                    "overlap those: the larger counts")
@@ -464,7 +465,7 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     if fsdp_wrap not in FSDP_WRAPS:
-        raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: give the units the run builds, 'layer' or 'model' (resolve_fsdp_wrap)")
+        raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: give the units the run builds, {', '.join(map(repr, FSDP_WRAPS))} (resolve_fsdp_wrap)")
     config = load_config(config_or_dir)
     plan = Plan(
         world_size=world_size,
@@ -587,12 +588,18 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     if mode == "none":
         checkpointed = 0
 
-    dense_shards = w // r  # HSDP: sharded over W / R, replicated over R
-    expert_shards = ep * (dp // r) if shard else ep
     param_b, grad_b, state_b = OPTIM_BYTES[plan.optim]
     # What trains (every weight; with LoRA the adapters) has gradients and optimizer state; LoRA's frozen weights
     # are kept in the compute dtype and have neither (megablocks_utils/model/lora.py).
     lora = _adapters(config, plan)
+    # fsdp_wrap "none": the dense weights whole on every rank (parallel/mesh.FSDP_WRAPS), nothing gathered or reduced
+    # inside a micro-step; their gradients accumulate in place and are averaged once a step
+    replicated_dense = plan.fsdp_wrap == "none" and w > 1
+    if replicated_dense and ep != w:  # (and weights in the compute dtype: parallelize.check_replicated_dense)
+        raise InputError(f"fsdp_wrap none (dense weights whole on every rank, no FSDP) needs ep = world size ({w}, here ep {ep}); "
+                         "use --fsdp_wrap auto")
+    dense_shards = 1 if replicated_dense else w // r  # HSDP: sharded over W / R, replicated over R
+    expert_shards = ep * (dp // r) if shard else ep
     trained = counts if lora is None else lora
     local_params = trained.dense / dense_shards + trained.expert / expert_shards
     frozen = 0.0 if lora is None else COMPUTE_BYTES * (counts.dense / dense_shards + counts.expert / expert_shards)
@@ -638,11 +645,13 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         expert_grads = grad_b * trained.expert / expert_shards
         during_backward = expert_grads + max(grads - expert_grads, activations + logits + accumulated)
     # one rank: no FSDP where it would cast nothing (bf16 weights, or LoRA, whose adapters cast themselves)
-    fsdp = not (w == 1 and (param_b == COMPUTE_BYTES or lora is not None))
+    fsdp = not (w == 1 and (param_b == COMPUTE_BYTES or lora is not None)) and not replicated_dense
     if not fsdp:
         # parallelize.needs_fsdp: one rank with bf16 weights has no FSDP, so nothing is gathered or reduced; the
         # gradients accumulate in place from the first micro-step, so from the second on they meet the activations.
         gathered_weights = gathered_grads = accumulated = 0.0
+        if replicated_dense:  # the fp32 bucket average_replicated_grads stages each collective in, after the backward
+            gathered_grads = 4.0 * min(trained.dense, REPLICATED_BUCKET)
         during_backward = grads + activations + logits if plan.gradient_accumulation_steps > 1 else max(grads, activations + logits)
     allocated = params + state + gathered_weights + gathered_grads + during_backward
     overhead = OVERHEAD_BYTES + FRAGMENTATION * allocated
@@ -684,7 +693,7 @@ def _settings_text(e: MemoryEstimate) -> str:
         f"{p.world_size} GPUs, ep {e.ep}, optim {p.optim}, shard_experts {str(e.shard_experts).lower()}, "
         f"activation_checkpointing {checkpointing_text(e)}, micro batch {p.per_device_train_batch_size} x {p.max_length} tokens"
         + (f", gradient_accumulation_steps {p.gradient_accumulation_steps}" if p.gradient_accumulation_steps > 1 else "")
-        + (", fsdp_wrap model" if p.fsdp_wrap == "model" else "")
+        + (f", fsdp_wrap {p.fsdp_wrap}" if p.fsdp_wrap != "layer" else "")
     )
 
 
@@ -800,7 +809,7 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
         offer("--gradient_accumulation_steps 1", gradient_accumulation_steps=1)
     if not e.shard_experts:
         offer("--shard_experts true", shard_experts=True)
-    if p.fsdp_wrap == "model":  # each layer's dense weights gathered when used, not all at once
+    if p.fsdp_wrap != "layer":  # each layer's dense weights gathered when used, not all at once (nor all on every rank)
         offer("--fsdp_wrap layer", fsdp_wrap="layer")
     if not found:  # no single change is enough: all of them at once
         smallest = min(OPTIM_BYTES, key=lambda o: sum(OPTIM_BYTES[o]))

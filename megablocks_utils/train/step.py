@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megablocks_utils.moe.aux_loss import router_stats
-from megablocks_utils.moe.exchange_mode import exchange_mode, run_exactly
+from megablocks_utils.moe.exchange_mode import exchange_mode, forward_deferred, run_exactly
 from megablocks_utils.train.loss import forward_with_loss
 from megablocks_utils.train.nonfinite import NonFiniteSteps
 from megablocks_utils.train.run_log import StepSums
@@ -36,11 +36,16 @@ class StepLoss:
 
     ``step_label_tokens``: the step's label tokens over all ranks and micro-steps, the loss's denominator
     (as each script counts it: a number, or train_fsdp1.py's tensor from ``get_batch_samples``);
-    ``micro_steps``: how many micro-batches the step has; ``group``: all ranks.
+    ``micro_steps``: how many micro-batches the step has; ``group``: all ranks. ``defer_overflow`` (CUDA graphs with
+    the static exchange): no check per micro-step; ``overflow`` collects each micro-step's flag on the device and the
+    script asks ``exchange_mode.step_overflowed`` once the micro-steps are done (moe/exchange_mode.py).
     """
 
-    def __init__(self, step: int, step_label_tokens, micro_steps: int, *, aux_coef: float, group: dist.ProcessGroup, device):
+    def __init__(self, step: int, step_label_tokens, micro_steps: int, *, aux_coef: float, group: dist.ProcessGroup, device,
+                 defer_overflow: bool = False):
         self.step, self.micro_steps, self.aux_coef, self.group = step, micro_steps, aux_coef, group
+        self.defer_overflow = defer_overflow
+        self.overflow = None  # with defer_overflow: whether any micro-step's static exchange overflowed (a device bool)
         self.denominator = step_label_tokens
         self.label_tokens = float(step_label_tokens)
         self.world_size = dist.get_world_size(group)
@@ -63,19 +68,31 @@ class StepLoss:
             ce_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
             return ce_sum, out, router_stats(model, batch["real"], self.group)
 
-        # With ep_capacity_factor > 0, a forward whose static exchange overflowed is run again exactly (exchange_mode.py)
-        (ce_sum, out, stats), rerun = run_exactly(model, forward, self.group, self.device)
+        # With ep_capacity_factor > 0, a forward whose static exchange overflowed is run again exactly (exchange_mode.py);
+        # deferred, its flag goes with the numbers and the script reruns the whole step
+        overflow = None
+        if self.defer_overflow:
+            (ce_sum, out, stats), overflow = forward_deferred(model, forward)
+        else:
+            (ce_sum, out, stats), rerun = run_exactly(model, forward, self.group, self.device)
         if exchange_mode(model) is not None:
+            rerun = 0 if self.defer_overflow else rerun
             self.sums.exchange_reruns = (self.sums.exchange_reruns or 0) + rerun  # the same on every rank: not reduced
         ce = ce_sum / self.denominator if loss_scale is None else ce_sum * loss_scale
         loss = self.world_size * (ce + self.aux_coef * stats.local / self.micro_steps)
         numbers = {"ce_sum": ce_sum.detach(), "aux": stats.value.double() / (self.micro_steps * self.world_size),
                    "tokens": batch["real"].sum(), "nonfinite": ~torch.isfinite(loss.detach()),
                    "tokens_per_expert": stats.tokens_per_expert}
+        if overflow is not None:
+            numbers["exchange_overflow"] = overflow
         return loss, numbers, out
 
     def add(self, numbers: dict, batch: dict) -> None:
         """Add a micro-batch's ``numbers`` (``loss_and_numbers``) and its host-side counts to the step's sums."""
+        numbers = dict(numbers)
+        overflow = numbers.pop("exchange_overflow", None)
+        if overflow is not None:
+            self.overflow = overflow.clone() if self.overflow is None else self.overflow | overflow
         self.sums.add(**numbers, token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"])
 
     def check(self, nonfinite_steps: NonFiniteSteps, grad_norm, stop_signal: StopSignal | None = None) -> bool:

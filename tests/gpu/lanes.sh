@@ -16,7 +16,7 @@ lane() {
   echo "lane $name (GPUs $visible) rc=$rc after $(( $(date +%s) - T0 )) s: $(grep -E '(passed|failed|error)' "$OUT_DIR/$name.log" | tail -n 1)"
   return $rc
 }
-lane a 0,1,2,3 $G/test_four_gpus.py $G/test_train_parity.py $G/test_step_no_sync.py & a=$!
+lane a 0,1,2,3 $G/test_four_gpus.py $G/test_train_parity.py $G/test_step_no_sync.py $G/test_graphs_ep.py & a=$!
 lane b 2,3 $G/test_activation_checkpointing.py $G/test_optimizers.py $G/test_fsdp1_vs_fsdp2.py & b=$!
 lane c 0 $G/test_memory_estimate.py $G/test_packed_rows.py $G/test_grad_norm.py $G/test_gather_kernels.py $G/test_megablocks.py & c=$!
 lane d 1 $G/test_cuda_graphs.py $G/test_moe_layer.py $G/test_chunked_loss.py $G/test_gpt_oss_layer.py $G/test_adamw_bf16_kernel.py & d=$!

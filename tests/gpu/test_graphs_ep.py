@@ -1,0 +1,65 @@
+"""Micro-steps replayed from CUDA graphs at ep = world size = 2 (train/cuda_graph.py) train as the same steps launched
+from Python.
+
+What makes them capturable there: the static exchange (``--ep_capacity_factor``: fixed all-to-all splits, no host
+sync; moe/exchange_mode.py) and the dense weights whole on every rank (``--fsdp_wrap none``: no FSDP hook in a
+micro-step, their gradients averaged after the step's micro-steps). An overflow is found once a step, after the
+micro-steps (``StepLoss(defer_overflow=True)``), and the step is run again eagerly on the exact exchange.
+
+train_fsdp2.py on the tiny model, bf16, --optim adamw_bf16, packed rows (varlen), 2 GPUs, four launches at once:
+- factor 1.25 with graphs against the same without graphs (the graphs replay the eager path's kernels);
+- factor 0.1 with graphs (capacity 128 rows: every step overflows and is rerun exactly) against the exact exchange;
+- the exact exchange with ``--fsdp_wrap none`` against the default (FSDP's whole-model unit): the replicated dense
+  weights' once-a-step average is FSDP's reduce.
+Each within the bf16 bound of test_train_parity.py (2e-3).
+"""
+
+import pytest
+
+from .launch import gpus, launch_together, metrics, train_fsdp2, worst_relative
+
+pytestmark = gpus(2)
+COMMON = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--optim", "adamw_bf16",
+          "--dtype", "bf16", "--ep_size", "2")
+
+
+@pytest.fixture(scope="module")
+def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
+    runs = {
+        "graphs": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
+        "eager": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "false"),
+        "overflow_graphs": ("--ep_capacity_factor", "0.1", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
+        "exact_replicated": ("--fsdp_wrap", "none"),
+        "exact_fsdp": (),
+    }
+    root = tmp_path_factory.mktemp("ep_graphs")
+    out = {name: str(root / name) for name in runs}
+    logs = launch_together({name: train_fsdp2(2, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, *extra)
+                            for name, extra in runs.items()})
+    return {name: (metrics(path), logs[name]) for name, path in out.items()}
+
+
+def test_graphed_ep2_steps_equal_eager_ones(ep_graph_runs):
+    graphed, log = ep_graph_runs["graphs"]
+    assert "cuda_graphs true: each micro-step replayed" in log
+    assert "cuda_graphs: captured the first micro-step" in log and "cuda_graphs: captured the later micro-step" in log
+    assert "FSDP units: none, dense weights whole on every rank" in log
+    eager = ep_graph_runs["eager"][0]
+    assert len(graphed) == len(eager) == 8
+    assert worst_relative(graphed, eager, "loss") <= 2e-3
+    assert graphed[-1]["loss"] < graphed[0]["loss"]
+    assert all(r["exchange_reruns"] >= 0 for r in graphed)
+
+
+def test_an_overflow_under_graphs_reruns_the_step_on_the_exact_exchange(ep_graph_runs):
+    overflow, log = ep_graph_runs["overflow_graphs"]
+    assert "cuda_graphs: captured the first micro-step" in log
+    assert [r["exchange_reruns"] for r in overflow] == [2] * 8  # both micro-steps of every step
+    assert worst_relative(overflow, ep_graph_runs["exact_replicated"][0], "loss") <= 2e-3
+
+
+def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
+    replicated, fsdp = ep_graph_runs["exact_replicated"][0], ep_graph_runs["exact_fsdp"][0]
+    assert "cuda_graphs auto: off" in ep_graph_runs["exact_replicated"][1]  # the exact exchange keeps graphs off
+    assert worst_relative(replicated, fsdp, "loss") <= 2e-3
+    assert worst_relative(replicated, fsdp, "grad_norm") <= 5e-2  # FSDP accumulates dense gradients in fp32, here bf16
