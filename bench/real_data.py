@@ -57,6 +57,7 @@ per run goes to ``--out``; a table is printed at the end.
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -109,8 +110,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
         "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
-STATIC_FACTOR = "1.25"  # the *_static runs' ep_capacity_factor: a peer's mean share and a quarter
-GRAPHS = ["--ep_capacity_factor", STATIC_FACTOR, "--fsdp_wrap", "none", "--cuda_graphs", "true"]  # the *_graphs runs
+STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
 
@@ -169,12 +169,13 @@ def ours(run: str, args, work: str) -> dict:
     steps = args.warmup + (args.chat_steps if "chat" in run else args.steps)
     out_dir = os.path.join(work, run)
     shutil.rmtree(out_dir, ignore_errors=True)
+    static = ["--ep_capacity_factor", args.static_factor]
+    graphs = [*static, "--fsdp_wrap", "none", "--cuda_graphs", "true"]
     extra = {"ours_chat_flex": ["--attn_implementation", "flex_attention"], "ours_chat_varlen": ["--attn_implementation", "varlen"],
              "ours_chat_sdpa": ["--attn_implementation", "sdpa"], "ours_synthetic_full_logits": ["--chunked_loss", "false"],
              "ours_chat_full_logits": ["--chunked_loss", "false"], "ours_synthetic_layer_wrap": ["--fsdp_wrap", "layer"],
-             "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"], "ours_synthetic_static": ["--ep_capacity_factor", STATIC_FACTOR],
-             "ours_chat_static": ["--ep_capacity_factor", STATIC_FACTOR], "ours_synthetic_graphs": GRAPHS,
-             "ours_chat_graphs": GRAPHS}.get(run, [])
+             "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"], "ours_synthetic_static": static, "ours_chat_static": static,
+             "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs}.get(run, [])
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
     # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).
@@ -226,7 +227,10 @@ def ours(run: str, args, work: str) -> dict:
     if chosen:
         record["launch"] = chosen[0][:400]
     if done < steps:
-        record.update(status="error", error=" | ".join(line for _, line in log_lines[-8:])[-800:])
+        # the rank's own exception first (torchrun's summary that ends the output names only the exit code)
+        raised = [line for _, line in log_lines if re.search(r"\w+(Error|Exception)\b|(^|\s)error:|CUDA error", line)
+                  and "torch.distributed.elastic" not in line][:4]
+        record.update(status="error", error=" | ".join(raised + [line for _, line in log_lines[-8:]])[-1600:])
         return record
     rows = [json.loads(line) for line in open(metrics)]
     record["losses"] = [round(r["loss"], 4) for r in rows]  # the same rows on every ours_chat* run: kernels compare exactly
@@ -243,6 +247,8 @@ def ours(run: str, args, work: str) -> dict:
                   **routing_reached(loads), **rank_loads(per_expert),
                   peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None,
                   alloc_retries=[r.get("alloc_retries") for r in rows])
+    if run.endswith(("_static", "_graphs")):
+        record["ep_capacity_factor"] = float(args.static_factor)
     if any("exchange_reruns" in r for r in rows):  # the static exchange: micro-steps rerun exactly, measured steps
         record["exchange_reruns"] = sum(r["exchange_reruns"] for r in rows)
     return record
@@ -392,6 +398,7 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/real_data")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)")
+    p.add_argument("--static_factor", default=STATIC_FACTOR, help="the *_static and *_graphs runs' --ep_capacity_factor")
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per row (4096; shorter for a CPU smoke test)")
     p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")
     p.add_argument("--ep", type=int, default=1, help="ours on this many GPUs with ep_size = N (tokens/s: all of them; TFLOPS: "
