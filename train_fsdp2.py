@@ -489,8 +489,12 @@ for step in range(start_step, total_steps):
             progress.close()
             print(f"SIGTERM: saved {os.path.join(checkpoint_root, 'step_%08d' % (step + 1))}; "
                   "continue with --resume auto", flush=True)
+        if graphs is not None:
+            graphs.release()
         exit_stopped()
 runtime = time.perf_counter() - run_start
+if graphs is not None:  # before export's collectives and the process group's end (MicroStepGraphs.release)
+    graphs.release()
 
 # ----------------------------------------------------------------------------- summary and export
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.

@@ -219,6 +219,13 @@ def ours(run: str, args, work: str) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    try:  # ranks that outlived torchrun (they take SIGTERM as "save and stop"): none may hold a GPU for the next launch
+        os.killpg(proc.pid, signal.SIGKILL)
+        for _ in range(40):  # gone once the group has no process left
+            time.sleep(0.5)
+            os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        pass
     reader.join(5)
     with open(os.path.join(work, f"{run}.log"), "w") as f:
         f.write("\n".join(f"[{n}] {line}" for n, line in log_lines))

@@ -222,6 +222,16 @@ class MicroStepGraphs:
             return
         zero_grads(p for p in params if id(p) not in self.written)
 
+    def release(self) -> None:
+        """Free every captured graph once training is done, before the process group is destroyed: a graph that holds
+        NCCL kernels (ep > 1) must not outlive its communicator. Suspected, not shown, to be why ep 2 and ep 4 graph
+        runs on 4 x H200 (2026-11-27, fourteenth session) never exited after their last step: orphaned ranks holding
+        60 GB that the next launch ran out of memory beside, and a GPU test whose launches never returned."""
+        torch.cuda.synchronize()
+        for captured in self.graphs.values():
+            captured.graph.reset()
+        self.graphs.clear()
+
     def _capture(self, step_loss, batch: dict, key: tuple, first: bool) -> dict:
         """This micro-step run eagerly on the side stream, then captured there (capturing runs nothing); its numbers."""
         start = time.perf_counter()
