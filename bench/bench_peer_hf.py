@@ -102,6 +102,26 @@ def step_counts(batches: list[dict], config, n_active: int) -> list[float]:
             sum(flops_per_token(n_active, config, span) * n for span, n in spans)]
 
 
+# transformers 5.23 + PEFT 0.21 (CPU, 2 gloo ranks, 2026-11-27): an expert adapter's delta is a plain tensor that PEFT adds
+# to the expert weight, which DistributedConfig's ep keeps a DTensor in the forward.
+PEFT_UNDER_EP = ("PEFT cannot put LoRA on experts that DistributedConfig shards over ep (its first forward fails: "
+                 "'aten.baddbmm.default got mixed torch.Tensor and DTensor')")
+
+
+def lora_under_fsdp(model, directory: str, r: int):
+    """``model`` (FSDP-sharded by transformers) with PEFT's LoRA on train_fsdp2.py's default targets, alpha 2r, the rest
+    frozen. FSDP gathers the weights before each forward, so PEFT's delta meets plain tensors; the adapters are plain
+    tensors outside FSDP, on every rank: drawn from one seed, their gradients averaged by hand (``average_replicated_grads``)."""
+    from peft import get_peft_model
+
+    from megablocks_utils.model.lora import LoraSettings, find_targets, meta_model, peft_config
+
+    settings = LoraSettings(r=r, alpha=2.0 * r, dropout=0.0, targets=("auto",))
+    targets = find_targets(meta_model(model.config), settings.targets)
+    torch.manual_seed(0)  # the same initial adapters on every rank (PEFT draws them from the global generator)
+    return get_peft_model(model, peft_config(settings, targets, directory, inference_mode=False))
+
+
 def param_groups_by_mesh(model) -> list[dict]:
     from torch.distributed.tensor import DTensor
 
@@ -136,6 +156,9 @@ def main() -> None:
                    help="skewed routing: the busiest expert's load over the mean, per layer (routing_skew.py); 0 = the weights' own")
     p.add_argument("--data", default="", help="train on these records' packed rows, as ours (e.g. data_chat.jsonl); "
                    "empty = random token ids")
+    p.add_argument("--lora", type=int, default=0,
+                   help="LoRA of this rank (alpha 2r) on train_fsdp2.py's default targets (attention and every expert) by PEFT, "
+                   "the rest frozen; 0 = full fine-tuning. Needs --ep_size 1 (FSDP only): see lora_under_fsdp")
     p.add_argument("--out", default="bench/results.jsonl")
     args = p.parse_args()
 
@@ -145,6 +168,7 @@ def main() -> None:
     from transformers import __version__ as transformers_version
 
     from megablocks_utils.data.batches import collate
+    from megablocks_utils.parallel.grads import average_replicated_grads
     from megablocks_utils.train.loss import causal_lm_loss_sum
     from megablocks_utils.train.metrics import active_params, flops_per_token
 
@@ -158,6 +182,8 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     ep = args.ep_size or world
+    if args.lora and ep > 1:
+        raise SystemExit(f"--lora with ep {ep}: {PEFT_UNDER_EP}; use --ep_size 1 (the experts FSDP-sharded instead)")
     gemm = dense_gemm_tflops(device)
     distributed_config = DistributedConfig(fsdp_size=world, ep_size=ep, ep_implementation=args.ep_implementation,
                                            fsdp_mixed_precision=args.precision == "fp32_master")
@@ -195,6 +221,9 @@ def main() -> None:
             model.to(device)
         if args.ac:
             model.activation_checkpointing_enable()
+        if args.lora:
+            model = lora_under_fsdp(model, args.dir, args.lora)
+            record.update(lora_r=args.lora, adapter_params=sum(q.numel() for q in model.parameters() if q.requires_grad))
         model.train()
         if args.skew:  # the same hooks as bench_moe.py's ours, calibrated on a batch of their own
             from bench_moe import skew_routing_once
@@ -237,6 +266,8 @@ def main() -> None:
                     loss = causal_lm_loss_sum(model(**batch["model_inputs"]).logits, batch["labels"]) / label_tokens
                     (loss * world).backward()
                 step_loss += loss.detach()
+            if args.lora:  # the adapters are plain tensors on every rank, outside FSDP: averaged here, as DDP would
+                average_replicated_grads(model.parameters())
             norm = clip_grad_norm_by_mesh(model.parameters(), args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -272,6 +303,11 @@ def main() -> None:
             step_times_s=times, tflops_per_gpu_script_formula=tflops_script,
             losses=losses, grad_norms=norms, final_loss=losses[-1],
         )
+        if args.lora:  # the adapters after training, the largest and smallest sum over ranks: equal where they stayed in sync
+            total = torch.stack([q.detach().double().sum() for q in model.parameters() if q.requires_grad]).sum().reshape(1)
+            spread = torch.cat([total, -total])
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+            record["adapter_sum_max_min"] = [float(spread[0]), -float(spread[1])]
     except torch.OutOfMemoryError as e:
         record.update(status="OOM", error=str(e).splitlines()[0][:300])
     if cuda:  # the largest over ranks (an OOM rank's too)

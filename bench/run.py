@@ -594,7 +594,8 @@ def lora_quality_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_none", "emul16", "hf_emul16")
+FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_none", "emul16", "hf_emul16", "ours_lora", "hf_lora")
+LORA_R = 16  # the ours_lora and hf_lora runs: train_fsdp2.py's default LoRA rank and targets (attention, every expert)
 
 
 @variant(option("--layers", type=int, default=32, help="Mixtral-8x7B's 32"),
@@ -617,7 +618,9 @@ def full_size(s: Session) -> str:
             "ours_full": f"{ours_common} --activation_checkpointing full",
             "ours_part": f"{ours_common} --activation_checkpointing full --activation_checkpointing_layers {a.part_layers or half}",
             "ours_none": f"{ours_common} --activation_checkpointing none",
-            "emul16": f"{ours_common} --activation_checkpointing selective --gpu_memory_gib {a.emul_gib}"}
+            "emul16": f"{ours_common} --activation_checkpointing selective --gpu_memory_gib {a.emul_gib}",
+            # LoRA: the weights frozen in bf16, fp32 adapters (adamw_torch); every layer checkpointed, as the peer
+            "ours_lora": f"--ep_size {s.gpus} --finetuning lora --lora_r {LORA_R} --activation_checkpointing full"}
     batch = ["--seq", str(a.seq), "--micro_batch", "1", "--grad_accum", "4", "--warmup", "2", "--steps", "3"]
     unknown = set(a.runs.split(",")) - set(FULL_SIZE_RUNS)
     if unknown:
@@ -631,7 +634,9 @@ def full_size(s: Session) -> str:
                             "--layers", str(layers)], cwd=ROOT, check=True)
         if name.startswith("hf"):
             extra = ["--gpu_memory_gib", str(a.emul_gib)] if name == "hf_emul16" else []
-            s.run(name, peer(s, checkpoint, *batch, "--precision", "bf16", "--ac", *extra), 240 if name == "hf" else 200,
+            if name == "hf_lora":  # PEFT cannot adapt experts sharded over ep (bench_peer_hf.py): FSDP only, ep 1
+                extra = ["--lora", str(LORA_R), "--ep_size", "1"]
+            s.run(name, peer(s, checkpoint, *batch, "--precision", "bf16", "--ac", *extra), 200 if name == "hf_emul16" else 240,
                   layers=layers)
         else:
             work = f"/tmp/full_size_work/{name}"

@@ -54,3 +54,24 @@ def test_peer_on_chat_rows_counts_each_ranks_real_tokens_and_trains_on_the_globa
     loss = loss.detach()
     assert abs(record["losses"][0] - float(loss) / label_tokens) < 0.02, (record["losses"][0], float(loss) / label_tokens)
     assert abs(record["grad_norms"][0] / float(norm) - 1) < 0.05, (record["grad_norms"][0], float(norm))
+
+
+def test_peer_lora_trains_the_adapters_in_sync_and_refuses_ep(tiny_model_dir, tmp_path):
+    """--lora (transformers' FSDP2 at ep 1 + PEFT on the default targets): the adapters, plain tensors outside FSDP, get
+    their gradients averaged by hand, so both ranks end with the same adapters (each rank trains on its own rows); at
+    ep 2 the run stops before loading, saying why (PEFT's expert delta meets an ep DTensor)."""
+    out = tmp_path / "records.jsonl"
+    common = ("--dir", tiny_model_dir, "--data", CHAT, "--seq", str(SEQ), "--micro_batch", str(MICRO_BATCH), "--grad_accum",
+              str(GRAD_ACCUM), "--warmup", "1", "--steps", "2", "--precision", "bf16", "--optimizer", "foreach", "--lora", "4",
+              "--lr", "1e-3", "--out", str(out))
+    result = run_script(os.path.join("bench", "bench_peer_hf.py"), WORLD, *common, "--ep_size", "1", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = (json.loads(line) for line in open(out))
+    assert record["status"] == "ok" and record["lora_r"] == 4 and record["ep_size"] == 1, record
+    # q/k/v/o (4 x (64 x 4 + 4 x 64)... ) and the experts: some adapters, far fewer than the model's parameters
+    assert 0 < record["adapter_params"] < 100_000, record["adapter_params"]
+    high, low = record["adapter_sum_max_min"]
+    assert high == low, (high, low)  # the same adapters on both ranks, bit for bit
+    assert record["grad_norms"][0] > 0
+    refused = run_script(os.path.join("bench", "bench_peer_hf.py"), WORLD, *common, "--ep_size", "2", timeout=300)
+    assert refused.returncode != 0 and "PEFT cannot put LoRA on experts" in refused.stderr + refused.stdout
