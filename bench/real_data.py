@@ -26,6 +26,8 @@
   ours_synthetic_static, ours_chat_static  ours_synthetic, ours_chat with --ep_capacity_factor 1.25 (at --ep > 1 the
                    static expert exchange, no host sync per layer, overflowed micro-steps rerun exactly: against the
                    exact exchange in the same call; exchange_reruns in the record)
+  ours_synthetic_replicated, ours_chat_replicated  ours_synthetic, ours_chat with --fsdp_wrap none (at --ep = GPUs: no
+                   FSDP, the dense weights whole on every rank, their gradients averaged once a step; the exact exchange)
   ours_synthetic_graphs, ours_chat_graphs  the *_static runs with --fsdp_wrap none --cuda_graphs true: at --ep > 1 the
                    dense weights whole on every rank and each micro-step replayed from a CUDA graph (one GPU: graphs
                    as by default)
@@ -109,7 +111,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
-        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
@@ -175,7 +177,8 @@ def ours(run: str, args, work: str) -> dict:
              "ours_chat_sdpa": ["--attn_implementation", "sdpa"], "ours_synthetic_full_logits": ["--chunked_loss", "false"],
              "ours_chat_full_logits": ["--chunked_loss", "false"], "ours_synthetic_layer_wrap": ["--fsdp_wrap", "layer"],
              "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"], "ours_synthetic_static": static, "ours_chat_static": static,
-             "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs}.get(run, [])
+             "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs, "ours_synthetic_replicated": ["--fsdp_wrap", "none"],
+             "ours_chat_replicated": ["--fsdp_wrap", "none"]}.get(run, [])
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
     # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).

@@ -448,8 +448,8 @@ def ep_scaling_table(records: list[dict]) -> str:
             per_gpu[(run, n)] = (r["tokens_per_s"] / n, r["median_step_s"])
     lines = ["| run | GPUs (ep) | s/step | tokens/s per GPU | of one GPU | ours / transformers |", "|---|---|---|---|---|---|"]
     for (run, n), (tps, step) in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        # a *_static or *_graphs run (the static exchange does nothing on one GPU) against its exact run's one GPU
-        one = per_gpu.get((run, 1)) or per_gpu.get((run.removesuffix("_static").removesuffix("_graphs"), 1))
+        # a *_static, *_graphs or *_replicated run (the same as the plain run on one GPU) against its plain run's one GPU
+        one = per_gpu.get((run, 1)) or per_gpu.get((run.removesuffix("_static").removesuffix("_graphs").removesuffix("_replicated"), 1))
         peer_tps = per_gpu.get((peer_of(run), n)) if not run.startswith("transformers") else None
         ratio = f"{tps / peer_tps[0]:.2f}x" if peer_tps else ""
         lines.append(f"| {run} | {n} | {step:.3f} | {tps:,.0f} | {f'{tps / one[0]:.0%}' if one else ''} | {ratio} |")
