@@ -29,6 +29,15 @@ def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
         assert words in graph_blocker(**{**ONE_GPU, name: value}), name
 
 
+def test_graphs_on_several_gpus_need_ep_world_size_the_static_exchange_and_no_fsdp():
+    ep2 = {**ONE_GPU, "world_size": 2, "ep_size": 2, "static_exchange": True, "fsdp": False}
+    assert graph_blocker(**ep2) is None
+    assert "ep = world size" in graph_blocker(**{**ep2, "ep_size": 1})
+    assert "--ep_capacity_factor" in graph_blocker(**{**ep2, "static_exchange": False})
+    assert "--fsdp_wrap none" in graph_blocker(**{**ep2, "fsdp": True})
+    assert "checkpointing" in graph_blocker(**{**ep2, "activation_checkpointing": "full"})  # the one-GPU rules still hold
+
+
 def test_the_setting_says_what_it_does_and_refuses_an_impossible_true():
     assert resolve_cuda_graphs("auto", None)[0] is True
     on, note = resolve_cuda_graphs("auto", "2 ranks: ...")

@@ -144,6 +144,22 @@ def test_replicated_dense_weights_are_whole_on_every_rank():
         estimate_memory(four, fsdp_wrap="none", **dict(plan, ep_size=1))
 
 
+def test_replicated_dense_weights_need_the_compute_dtype_and_ep_world_size():
+    """parallelize's check for fsdp_wrap "none": FSDP would have cast fp32 weights to bf16, or sharded experts over dp."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.parallel.parallelize import check_replicated_dense
+
+    model = torch.nn.Linear(2, 2)
+    ep_world = SimpleNamespace(expert_fsdp=SimpleNamespace(size=lambda: 1), ep_size=2, world_size=2)
+    check_replicated_dense(model, ep_world, torch.float32)  # fp32 weights, fp32 compute: nothing to cast
+    with pytest.raises(ValueError, match="some are float32 and the compute dtype is bfloat16"):
+        check_replicated_dense(model, ep_world, torch.bfloat16)
+    dp2 = SimpleNamespace(expert_fsdp=SimpleNamespace(size=lambda: 2), ep_size=1, world_size=2)
+    with pytest.raises(ValueError, match="needs ep = world size"):
+        check_replicated_dense(model, dp2, torch.float32)
+
+
 def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fits():
     sizes = {"layer": 10 * GiB, "model": 12 * GiB}
     plan = lambda wrap: type("E", (), {"total": sizes[wrap]})()  # noqa: E731
