@@ -16,8 +16,9 @@ is the exact path's: a kept static forward dropped no row, and a rerun is the ex
 
 Under CUDA graphs (train/cuda_graph.py, ep = world size) a micro-step cannot stop between its forward and backward to
 read a flag: ``StepLoss(defer_overflow=True)`` keeps each micro-step's flag on the device with the step's numbers
-(``step_overflow``), the script reads it once the step's micro-steps are done and, when any rank overflowed, zeroes the
-gradients and runs the whole step again eagerly inside ``exact_exchange`` (no optimizer step was taken yet).
+(``forward_deferred``; ``StepLoss.overflow``), the script reads it once the step's micro-steps are done
+(``step_overflowed``) and, when any rank overflowed, zeroes the gradients and runs the whole step again eagerly inside
+``exact_exchange`` (no optimizer step was taken yet).
 
 Off (no mode, the default, and at ep 1 where there is no exchange) ``run_exactly`` is the forward alone: no
 collective, no host read. Not for megablocks (it moves the tokens itself) nor for experts with a bias (gpt-oss: the

@@ -70,13 +70,12 @@ class StepLoss:
 
         # With ep_capacity_factor > 0, a forward whose static exchange overflowed is run again exactly (exchange_mode.py);
         # deferred, its flag goes with the numbers and the script reruns the whole step
-        overflow = None
+        overflow, rerun = None, False
         if self.defer_overflow:
             (ce_sum, out, stats), overflow = forward_deferred(model, forward)
         else:
             (ce_sum, out, stats), rerun = run_exactly(model, forward, self.group, self.device)
         if exchange_mode(model) is not None:
-            rerun = 0 if self.defer_overflow else rerun
             self.sums.exchange_reruns = (self.sums.exchange_reruns or 0) + rerun  # the same on every rank: not reduced
         ce = ce_sum / self.denominator if loss_scale is None else ce_sum * loss_scale
         loss = self.world_size * (ce + self.aux_coef * stats.local / self.micro_steps)
