@@ -50,7 +50,8 @@ transformers), tokens/s = real (not padding) tokens over the summed time of all 
 the median step and the slowest step / median; TFLOPS per GPU by the training scripts' formula (docs/metrics.md,
 the same for both sides); the routing reached, each layer's busiest expert over the mean per step, averaged over the
 measured steps (ours: metrics.jsonl's expert load; transformers: the routers' choices), and (ours) the busiest ep rank's
-rows over the mean at ep 2, 4 and 8 (``rank_loads``). Ours: the recompile lines
+rows over the mean at ep 2, 4 and 8 (``rank_loads``; ``busiest_rank_over_mean_placed``: the same with the experts placed
+on the ranks by the first half of the steps' loads, ``placed_loads``). Ours: the recompile lines
 TORCH_LOGS printed after the warm-up (``recompiles_after_warmup``; each line is tagged with the steps metrics.jsonl
 held when it was read, so a late read can only count a warm-up recompile as later, never hide one). One JSON record
 per run goes to ``--out``; a table is printed at the end.
@@ -314,7 +315,45 @@ def rank_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)
                 per_layer.append(statistics.mean(ratios))
         if per_layer:
             found[str(ep)] = (round(statistics.mean(per_layer), 4), round(max(per_layer), 4))
-    return {"busiest_rank_over_mean": found} if found else {}
+    placed = placed_loads(per_step, eps)
+    return ({"busiest_rank_over_mean": found} if found else {}) | ({"busiest_rank_over_mean_placed": placed} if placed else {})
+
+
+def balanced_placement(load: list[float], ep: int) -> list[list[int]]:
+    """Each rank's experts (as many on each), chosen so that the ranks' summed ``load`` is as even as a greedy pass gets:
+    the heaviest expert first, each to the least loaded rank that still has room."""
+    per_rank = len(load) // ep
+    ranks, totals = [[] for _ in range(ep)], [0.0] * ep
+    for e in sorted(range(len(load)), key=lambda e: -load[e]):
+        r = min((r for r in range(ep) if len(ranks[r]) < per_rank), key=lambda r: totals[r])
+        ranks[r].append(e)
+        totals[r] += load[e]
+    return ranks
+
+
+def placed_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)) -> dict:
+    """What expert placement by load could do: per layer, the experts placed on the ranks by their load over the first
+    half of the steps (``balanced_placement``), then the busiest rank over the mean in each step of the second half (as
+    ``rank_loads``: the layers' mean and largest). Loads measured earlier decide, so a placement that only fits the steps
+    it is judged on does not count. Empty with fewer than 2 steps."""
+    half = len(per_step) // 2
+    if half == 0:
+        return {}
+    found = {}
+    for ep in eps:
+        per_layer = []
+        for layers in zip(*per_step):
+            if len(layers[0]) % ep:
+                break
+            placement = balanced_placement([sum(c) for c in zip(*layers[:half])], ep)
+            ratios = []
+            for counts in layers[half:]:
+                ranks = [sum(counts[e] for e in experts) for experts in placement]
+                ratios.append(max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0)
+            per_layer.append(statistics.mean(ratios))
+        if per_layer:
+            found[str(ep)] = (round(statistics.mean(per_layer), 4), round(max(per_layer), 4))
+    return found
 
 
 HF_RUNS = {"hf_synthetic": ("synthetic", None), "hf_synthetic_flex": ("synthetic", "flex_attention"),

@@ -459,8 +459,8 @@ def ep_scaling_table(records: list[dict]) -> str:
 
 def ep_scaling_notes(records: list[dict]) -> list[str]:
     """What else ours' records say, a line per run that has any of it: the busiest ep rank's rows over the mean at
-    its GPU count (real_data.py's rank_loads), the micro-steps rerun on the exact exchange (the *_static runs), the
-    host's CPU (it paces the step at ep > 1)."""
+    its GPU count (real_data.py's rank_loads) and with the experts placed on the ranks by load (placed_loads), the
+    micro-steps rerun on the exact exchange (the *_static runs), the host's CPU (it paces the step at ep > 1)."""
     notes = []
     for r in records:
         if r.get("status") != "ok" or "tokens_per_s" not in r:
@@ -469,6 +469,9 @@ def ep_scaling_notes(records: list[dict]) -> list[str]:
         load = r.get("busiest_rank_over_mean", {}).get(str(n))
         if load:
             facts.append(f"busiest rank / mean {load[0]:.2f} (largest layer {load[1]:.2f})")
+        placed = r.get("busiest_rank_over_mean_placed", {}).get(str(n))
+        if placed:
+            facts.append(f"experts placed by load {placed[0]:.2f} ({placed[1]:.2f})")
         if "exchange_reruns" in r:
             facts.append(f"{r['exchange_reruns']} micro-steps rerun exactly")
         if r.get("host_cpu"):

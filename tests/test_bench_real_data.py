@@ -45,8 +45,21 @@ def test_rank_loads_sum_each_ranks_block_of_experts():
     step2 = [[2, 2, 2, 2], [0, 0, 0, 4]]  # layer 1 at ep 2: 0 and 4, 4 / 2 = 2; at ep 4: 4 / 1 = 4
     found = rank_loads([step1, step2], eps=(2, 4, 3))
     # ep 2: layers (1.5 + 1) / 2 and (1 + 2) / 2, so mean 1.375, largest 1.5; ep 4: (3 + 1) / 2 and (1 + 4) / 2
-    assert found == {"busiest_rank_over_mean": {"2": (1.375, 1.5), "4": (2.25, 2.5)}}
+    assert found["busiest_rank_over_mean"] == {"2": (1.375, 1.5), "4": (2.25, 2.5)}
+    # Placed by step 1's loads, judged on step 2: layer 0 at ep 2 {0, 1} {2, 3} -> 4 and 4 (1.0); layer 1 (step 1 even:
+    # {0, 2} {1, 3}) -> 0 and 4 (2.0); at ep 4 one expert a rank: 1.0 and 4.0
+    assert found["busiest_rank_over_mean_placed"] == {"2": (1.5, 2.0), "4": (2.5, 4.0)}
     assert rank_loads([]) == {}
+
+
+def test_placement_by_load_evens_the_ranks_where_blocks_do_not():
+    """Experts 0 and 1 hot: contiguous blocks at ep 2 give 7 against 1 (1.75); placed by load, 4 and 4."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from real_data import balanced_placement, rank_loads
+
+    assert balanced_placement([4, 3, 1, 0], 2) == [[0, 3], [1, 2]]
+    found = rank_loads([[[4, 3, 1, 0]]] * 2, eps=(2,))
+    assert found == {"busiest_rank_over_mean": {"2": (1.75, 1.75)}, "busiest_rank_over_mean_placed": {"2": (1.0, 1.0)}}
 
 
 def test_ep_runs_ours_alone():

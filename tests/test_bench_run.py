@@ -156,10 +156,12 @@ def test_ep_scaling_table_compares_a_static_run_with_its_exact_runs_one_gpu_and_
         {"status": "ok", "gpus_used": 1, "run": "ours_synthetic", "tokens_per_s": 48000.0, "median_step_s": 0.34,
          "busiest_rank_over_mean": {"2": [1.1, 1.3], "4": [1.2, 1.5]}, "host_cpu": "AMD EPYC, 64 cores"},
         {"status": "ok", "gpus_used": 2, "run": "ours_synthetic_static", "tokens_per_s": 72000.0, "median_step_s": 0.45,
-         "busiest_rank_over_mean": {"2": [1.05, 1.25], "4": [1.2, 1.5]}, "exchange_reruns": 3},
+         "busiest_rank_over_mean": {"2": [1.05, 1.25], "4": [1.2, 1.5]}, "exchange_reruns": 3,
+         "busiest_rank_over_mean_placed": {"2": [1.01, 1.04]}},
     ]
     lines = ep_scaling_table(records).splitlines()
     assert "| ours_synthetic_static | 2 | 0.450 | 36,000 | 75% | 1.50x |" not in lines  # no peer: no ratio
     assert "| ours_synthetic_static | 2 | 0.450 | 36,000 | 75% |  |" in lines  # 36,000 / 48,000
     assert lines[-2] == "ours_synthetic on 1 GPU: host AMD EPYC, 64 cores"  # one GPU: no ep rank to name
-    assert lines[-1] == "ours_synthetic_static on 2 GPUs: busiest rank / mean 1.05 (largest layer 1.25); 3 micro-steps rerun exactly"
+    assert lines[-1] == ("ours_synthetic_static on 2 GPUs: busiest rank / mean 1.05 (largest layer 1.25); experts placed by "
+                         "load 1.01 (1.04); 3 micro-steps rerun exactly")
