@@ -28,6 +28,9 @@
                    exact exchange in the same call; exchange_reruns in the record)
   ours_synthetic_replicated, ours_chat_replicated  ours_synthetic, ours_chat with --fsdp_wrap none (at --ep = GPUs: no
                    FSDP, the dense weights whole on every rank, their gradients averaged once a step; the exact exchange)
+  ours_synthetic_placed, ours_chat_placed  ours_synthetic, ours_chat on the checkpoint with its experts placed on the
+                   --ep ranks by the loads of the plain run before it in --runs (megablocks_utils/tools/place_experts.py;
+                   the same steps' loads: in-sample, busiest_rank_over_mean_placed is the out-of-sample estimate)
   ours_synthetic_graphs, ours_chat_graphs  the *_static runs with --fsdp_wrap none --cuda_graphs true: at --ep > 1 the
                    dense weights whole on every rank and each micro-step replayed from a CUDA graph (one GPU: graphs
                    as by default)
@@ -112,7 +115,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
-        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_placed", "ours_chat_placed", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
@@ -167,6 +170,23 @@ def data_file(run: str, work: str, directory: str, steps: int, seq: int = SEQ) -
     return os.path.join(ROOT, "data.json" if "alpaca" in run else "data_chat.jsonl")
 
 
+def placed_model(run: str, args, work: str) -> str:
+    """The checkpoint with its experts placed on --ep ranks by the loads an earlier run of this invocation recorded
+    (``*_placed`` needs its plain run first: ours_synthetic before ours_synthetic_placed), written once per call."""
+    from megablocks_utils.model.placement import place
+
+    base = run.removesuffix("_placed")
+    loads_file = os.path.join(work, f"{base}.loads.json")
+    if not os.path.isfile(loads_file):
+        raise SystemExit(f"error: {run} places the experts by {base}'s loads: list {base} before it in --runs")
+    with open(loads_file) as f:
+        loads = json.load(f)
+    placed = f"{args.dir.rstrip('/')}-placed-ep{args.ep}-{base}"
+    if not os.path.isfile(os.path.join(placed, "expert_order.json")):
+        place(args.dir, placed, loads, args.ep)
+    return placed
+
+
 def ours(run: str, args, work: str) -> dict:
     """train_fsdp2.py at its defaults (--optim adamw_bf16, the bench batch), stopped once every step is logged."""
     steps = args.warmup + (args.chat_steps if "chat" in run else args.steps)
@@ -180,12 +200,13 @@ def ours(run: str, args, work: str) -> dict:
              "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"], "ours_synthetic_static": static, "ours_chat_static": static,
              "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs, "ours_synthetic_replicated": ["--fsdp_wrap", "none"],
              "ours_chat_replicated": ["--fsdp_wrap", "none"]}.get(run, [])
+    model_dir = placed_model(run, args, work) if run.endswith("_placed") else args.dir
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
     # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).
     parallel = ["--ep_size", str(args.ep)] if args.ep > 1 else []
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", *launcher, os.path.join(ROOT, "train_fsdp2.py"),
-               *parallel, "--model_name_or_path", args.dir, "--data_path", data_file(run, work, args.dir, steps * args.ep, args.seq), "--output_dir",
+               *parallel, "--model_name_or_path", model_dir, "--data_path", data_file(run, work, args.dir, steps * args.ep, args.seq), "--output_dir",
                out_dir, "--max_length", str(args.seq), "--per_device_train_batch_size", str(MICRO_BATCH),
                "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps",
                str(steps), *extra]
@@ -245,6 +266,10 @@ def ours(run: str, args, work: str) -> dict:
         return record
     rows = [json.loads(line) for line in open(metrics)]
     record["losses"] = [round(r["loss"], 4) for r in rows]  # the same rows on every ours_chat* run: kernels compare exactly
+    counted = [r["tokens_per_expert"] for r in rows if r.get("tokens_per_expert")]
+    if counted:  # every step's rows per expert, summed: what a *_placed run places the experts by
+        with open(os.path.join(work, f"{run}.loads.json"), "w") as f:
+            json.dump([[float(sum(c)) for c in zip(*layer)] for layer in zip(*counted)], f)
     rows = rows[args.warmup :]
     shutil.rmtree(out_dir, ignore_errors=True)  # a started export (16+ GB) would fill the disk for the next run
     recompiles = [(n, line) for n, line in log_lines if "Recompiling function" in line]
@@ -319,23 +344,14 @@ def rank_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)
     return ({"busiest_rank_over_mean": found} if found else {}) | ({"busiest_rank_over_mean_placed": placed} if placed else {})
 
 
-def balanced_placement(load: list[float], ep: int) -> list[list[int]]:
-    """Each rank's experts (as many on each), chosen so that the ranks' summed ``load`` is as even as a greedy pass gets:
-    the heaviest expert first, each to the least loaded rank that still has room."""
-    per_rank = len(load) // ep
-    ranks, totals = [[] for _ in range(ep)], [0.0] * ep
-    for e in sorted(range(len(load)), key=lambda e: -load[e]):
-        r = min((r for r in range(ep) if len(ranks[r]) < per_rank), key=lambda r: totals[r])
-        ranks[r].append(e)
-        totals[r] += load[e]
-    return ranks
-
-
 def placed_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)) -> dict:
     """What expert placement by load could do: per layer, the experts placed on the ranks by their load over the first
     half of the steps (``balanced_placement``), then the busiest rank over the mean in each step of the second half (as
     ``rank_loads``: the layers' mean and largest). Loads measured earlier decide, so a placement that only fits the steps
-    it is judged on does not count. Empty with fewer than 2 steps."""
+    it is judged on does not count (``python -m megablocks_utils.tools.place_experts`` writes such a placement). Empty
+    with fewer than 2 steps."""
+    from megablocks_utils.model.placement import balanced_placement  # what the placement tool would write
+
     half = len(per_step) // 2
     if half == 0:
         return {}

@@ -433,6 +433,13 @@ def peer_of(run: str) -> str | None:
     return "transformers_chat" if "chat" in run else "transformers" if "synthetic" in run else None
 
 
+def plain_run(run: str) -> str:
+    """ours_synthetic for ours_synthetic_static, _graphs, _replicated or _placed: the run they vary (the same on one GPU)."""
+    for suffix in ("_static", "_graphs", "_replicated", "_placed"):
+        run = run.removesuffix(suffix)
+    return run
+
+
 def ep_scaling_table(records: list[dict]) -> str:
     """Per run and GPU count: tokens/s per GPU, against the same run on one GPU, and ours against transformers on the
     same kind of rows (ours_chat against transformers_chat, ours_synthetic against transformers)."""
@@ -448,8 +455,8 @@ def ep_scaling_table(records: list[dict]) -> str:
             per_gpu[(run, n)] = (r["tokens_per_s"] / n, r["median_step_s"])
     lines = ["| run | GPUs (ep) | s/step | tokens/s per GPU | of one GPU | ours / transformers |", "|---|---|---|---|---|---|"]
     for (run, n), (tps, step) in sorted(per_gpu.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        # a *_static, *_graphs or *_replicated run (the same as the plain run on one GPU) against its plain run's one GPU
-        one = per_gpu.get((run, 1)) or per_gpu.get((run.removesuffix("_static").removesuffix("_graphs").removesuffix("_replicated"), 1))
+        # a variant of a plain run (the same as it on one GPU) against the plain run's one GPU
+        one = per_gpu.get((run, 1)) or per_gpu.get((plain_run(run), 1))
         peer_tps = per_gpu.get((peer_of(run), n)) if not run.startswith("transformers") else None
         ratio = f"{tps / peer_tps[0]:.2f}x" if peer_tps else ""
         lines.append(f"| {run} | {n} | {step:.3f} | {tps:,.0f} | {f'{tps / one[0]:.0%}' if one else ''} | {ratio} |")
