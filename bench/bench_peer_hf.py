@@ -161,6 +161,9 @@ def main() -> None:
                    "the rest frozen; 0 = full fine-tuning. Needs --ep_size 1 (FSDP only): see lora_under_fsdp")
     p.add_argument("--out", default="bench/results.jsonl")
     args = p.parse_args()
+    ep = args.ep_size or int(os.environ.get("WORLD_SIZE", 1))
+    if args.lora and ep > 1:  # before anything starts: the peer cannot do it (PEFT_UNDER_EP)
+        raise SystemExit(f"--lora with ep {ep}: {PEFT_UNDER_EP}; use --ep_size 1 (the experts FSDP-sharded instead)")
 
     from bench_moe import PEAK_TFLOPS, dense_gemm_tflops, megatron_flops_per_token
     from real_data import host_cpu
@@ -182,8 +185,6 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     ep = args.ep_size or world
-    if args.lora and ep > 1:
-        raise SystemExit(f"--lora with ep {ep}: {PEFT_UNDER_EP}; use --ep_size 1 (the experts FSDP-sharded instead)")
     gemm = dense_gemm_tflops(device)
     distributed_config = DistributedConfig(fsdp_size=world, ep_size=ep, ep_implementation=args.ep_implementation,
                                            fsdp_mixed_precision=args.precision == "fp32_master")

@@ -225,13 +225,15 @@ OVERFLOWING = "0.1"
 
 @pytest.fixture(scope="module")
 def static_runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory) -> dict:
-    """Three launches side by side: train_fsdp2.py exact and with 0.1 (every micro-step overflows), both with full
+    """Three launches side by side: train_fsdp2.py exact and with 0.1 (every micro-step overflows; fsdp_wrap none), both with full
     activation checkpointing and an eval loss at the end (eval_loss's forwards go through the same check), and
     train_fsdp1.py (README's command) with 0.1, against conftest's ``two_rank_run`` (the same run exact, no eval). The
     no-overflow path is held bitwise by the layer tests above (one launch fewer for the suite's time)."""
     tmp = tmp_path_factory.mktemp("static_exchange")
     args = [*standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, "--eval_split", "0.1"]
-    fsdp2 = {"exact": args, "overflow": [*args, "--ep_capacity_factor", OVERFLOWING]}
+    # the overflowing run also with the dense weights whole on every rank (fsdp_wrap none): their once-a-step average
+    # must give FSDP's gradients, end to end (checkpointed layers, an eval pass, the export)
+    fsdp2 = {"exact": args, "overflow": [*args, "--ep_capacity_factor", OVERFLOWING, "--fsdp_wrap", "none"]}
     out = {name: str(tmp / name) for name in [*fsdp2, "fsdp1_overflow"]}
     with ThreadPoolExecutor(len(out)) as pool:
         launches = [pool.submit(train_fsdp2, 2, out[name], *launch) for name, launch in fsdp2.items()]
@@ -260,6 +262,8 @@ def test_training_with_the_static_exchange_equals_the_exact_exchange(static_runs
     assert [r["exchange_reruns"] for r in static_runs[run]] == [reruns] * 4  # 2 micro-steps per step
     assert "exchange_reruns" not in static_runs[reference][0]  # factor 0: the record as before
     assert "static blocks" in static_runs["printed"][run]
+    if run == "overflow":
+        assert "FSDP units: none, dense weights whole on every rank" in static_runs["printed"][run]
     if reference == "exact":
         assert "eval_loss" in static_runs[run][-1]
         evaluated, expected = static_runs[run][-1]["eval_loss"], static_runs[reference][-1]["eval_loss"]
