@@ -334,14 +334,18 @@ def rank_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)
                 if len(counts) % ep:
                     break
                 block = len(counts) // ep
-                ranks = [sum(counts[r * block:(r + 1) * block]) for r in range(ep)]
-                ratios.append(max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0)
+                ratios.append(busiest_over_mean([sum(counts[r * block:(r + 1) * block]) for r in range(ep)]))
             if ratios:
                 per_layer.append(statistics.mean(ratios))
         if per_layer:
             found[str(ep)] = (round(statistics.mean(per_layer), 4), round(max(per_layer), 4))
     placed = placed_loads(per_step, eps)
     return ({"busiest_rank_over_mean": found} if found else {}) | ({"busiest_rank_over_mean_placed": placed} if placed else {})
+
+
+def busiest_over_mean(ranks: list[float]) -> float:
+    """The busiest rank's rows over the ranks' mean (1.0 where none has any)."""
+    return max(ranks) / (sum(ranks) / len(ranks)) if sum(ranks) else 1.0
 
 
 def placed_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 8)) -> dict:
@@ -362,10 +366,7 @@ def placed_loads(per_step: list[list[list[int]]], eps: tuple[int, ...] = (2, 4, 
             if len(layers[0]) % ep:
                 break
             placement = balanced_placement([sum(c) for c in zip(*layers[:half])], ep)
-            ratios = []
-            for counts in layers[half:]:
-                ranks = [sum(counts[e] for e in experts) for experts in placement]
-                ratios.append(max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0)
+            ratios = [busiest_over_mean([sum(counts[e] for e in experts) for experts in placement]) for counts in layers[half:]]
             per_layer.append(statistics.mean(ratios))
         if per_layer:
             found[str(ep)] = (round(statistics.mean(per_layer), 4), round(max(per_layer), 4))

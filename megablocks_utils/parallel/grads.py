@@ -35,13 +35,21 @@ def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
         return
     groups = mesh.expert_dp_groups()
     if groups:
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of two per layer
-        for group in groups:
-            dist.all_reduce(flat, group=group)
-        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
+        _all_reduce_flat(grads, groups)  # one collective instead of two per layer
     for g in grads:
         g.div_(mesh.world_size)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], groups, dtype: torch.dtype | None = None, divisor: int = 1) -> None:
+    """Sum ``grads`` over each of ``groups`` in turn as one flat tensor (in ``dtype``, default theirs), divide by
+    ``divisor`` and write the result back in place."""
+    flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
+    for group in groups:
+        dist.all_reduce(flat, group=group)
+    if divisor != 1:
+        flat.div_(divisor)
+    for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))
 
 
 def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
@@ -53,21 +61,14 @@ def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None)
     grads = [p.grad for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
     if world_size == 1 or not grads:
         return
-    bucket: list[torch.Tensor] = []
-
-    def flush() -> None:
-        flat = torch.cat([g.reshape(-1).float() for g in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world_size)
-        for g, reduced in zip(bucket, torch.split(flat, [g.numel() for g in bucket])):
-            g.copy_(reduced.view_as(g))
-        bucket.clear()
-
+    bucket, size = [], 0
     for g in grads:
-        if bucket and sum(b.numel() for b in bucket) + g.numel() > REPLICATED_BUCKET:
-            flush()
+        if bucket and size + g.numel() > REPLICATED_BUCKET:
+            _all_reduce_flat(bucket, [group], torch.float32, world_size)
+            bucket, size = [], 0
         bucket.append(g)
-    flush()
+        size += g.numel()
+    _all_reduce_flat(bucket, [group], torch.float32, world_size)
 
 
 def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.ProcessGroup | None) -> float:

@@ -88,9 +88,9 @@ class StepLoss:
 
     def add(self, numbers: dict, batch: dict) -> None:
         """Add a micro-batch's ``numbers`` (``loss_and_numbers``) and its host-side counts to the step's sums."""
-        numbers = dict(numbers)
-        overflow = numbers.pop("exchange_overflow", None)
-        if overflow is not None:
+        if "exchange_overflow" in numbers:  # defer_overflow: kept apart from the sums (a device bool, ORed)
+            numbers = dict(numbers)
+            overflow = numbers.pop("exchange_overflow")
             self.overflow = overflow.clone() if self.overflow is None else self.overflow | overflow
         self.sums.add(**numbers, token_slots=batch["input_ids"].numel(), attention_sq=batch["attention_sq"])
 
