@@ -35,7 +35,7 @@ def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ep_graphs")
     out = {name: str(root / name) for name in runs}
     logs = launch_together({name: train_fsdp2(2, out[name], "--model_name_or_path", tiny_model_dir, *COMMON, *extra)
-                            for name, extra in runs.items()})
+                            for name, extra in runs.items()}, timeout=300)  # a hang fails with its output
     return {name: (metrics(path), logs[name]) for name, path in out.items()}
 
 
