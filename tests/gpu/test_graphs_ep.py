@@ -62,4 +62,7 @@ def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
     replicated, fsdp = ep_graph_runs["exact_replicated"][0], ep_graph_runs["exact_fsdp"][0]
     assert "cuda_graphs auto: off" in ep_graph_runs["exact_replicated"][1]  # the exact exchange keeps graphs off
     assert worst_relative(replicated, fsdp, "loss") <= 2e-3
-    assert worst_relative(replicated, fsdp, "grad_norm") <= 5e-2  # FSDP accumulates dense gradients in fp32, here bf16
+    # The first step's gradients come from the same weights: a dense gradient left unaveraged, or averaged twice, moves
+    # its norm by far more than 1e-2. Later steps' norms drift apart in bf16 (CPU, 2 gloo ranks: both 2-6% from fp32's at
+    # step 7, 6% apart on 2 x H200), as the weights they come from do.
+    assert abs(replicated[0]["grad_norm"] / fsdp[0]["grad_norm"] - 1) <= 1e-2
