@@ -69,6 +69,7 @@ def write_checkpoint(directory: str, layers: int, hidden: int, intermediate: int
     if len(tokenizer) > 32000:
         raise SystemExit(f"error: the tokenizer of {tiny} has {len(tokenizer)} ids, more than the model's 32000 rows")
     tokenizer.save_pretrained(directory)  # last: its presence marks a complete checkpoint
+    os.sync()  # its dirty pages written back now, not during the first timed run (real_data.write_checkpoint)
     print(f"wrote the checkpoint and a {len(tokenizer)}-id tokenizer in {time.perf_counter() - start:.1f} s", flush=True)
 
 

@@ -122,7 +122,9 @@ SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's de
 
 def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = False) -> float | None:
     """Random bf16 weights of ``shape`` with ``layers`` layers in hub layout (save_pretrained), the tiny tokenizer.
-    Returns the seconds it took, None when ``directory`` was complete already."""
+    Returns the seconds it took, None when ``directory`` was complete already. Flushed to disk before returning: the
+    kernel writing a fresh checkpoint's dirty pages back during the next run takes the host time that a host-paced
+    step at ep > 1 needs."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -151,6 +153,7 @@ def write_checkpoint(directory: str, shape: str, layers: int, shrink: bool = Fal
     del model
     if torch.cuda.is_available():  # else this process keeps the weights' memory cached while the runs train (their GPU)
         torch.cuda.empty_cache()
+    os.sync()  # before any timed run (the docstring says why)
     seconds = time.perf_counter() - start
     print(f"wrote {directory}: {shape}, {layers} layers, {n / 1e9:.2f} B parameters, in {seconds:.0f} s", flush=True)
     return seconds
@@ -184,6 +187,7 @@ def placed_model(run: str, args, work: str) -> str:
     placed = f"{args.dir.rstrip('/')}-placed-ep{args.ep}-{base}"
     if not os.path.isfile(os.path.join(placed, "expert_order.json")):
         place(args.dir, placed, loads, args.ep)
+        os.sync()  # the 15th session's placed runs, without it: first steps 0.62-0.75 s, later ones 0.54 as the plain run's
     return placed
 
 
