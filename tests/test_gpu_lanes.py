@@ -1,4 +1,4 @@
-"""tests/gpu/lanes.sh runs the GPU suite as four pytest processes, each over named files: a new GPU test module that no
+"""tests/gpu/lanes.sh runs the GPU suite as five pytest processes, each over named files: a new GPU test module that no
 lane names would never run there. Every module in tests/gpu is in exactly one lane."""
 
 import glob
