@@ -30,7 +30,7 @@ def test_readme_gives_two_set_up_and_go_commands_and_ci_runs_the_test_one():
     assert run.endswith("torchrun --nproc_per_node=2 train_fsdp2.py"), run
     assert "-r requirements.txt -c constraints.txt" in run, run
     assert "-r requirements-test.txt -c constraints.txt" in tests, tests
-    assert tests.endswith("python -m pytest -q tests"), tests
+    assert tests.endswith("python -m pytest -q -n 2 --dist loadfile tests"), tests
     ci = [line.strip() for line in read(".ci/run").splitlines() if line.strip() and not line.startswith("#")]
     assert tests in ci, f".ci/run must run README's test command exactly: {tests}"
     assert tests in bash_blocks(read("tests/README.md")), "tests/README.md shows another test command"
