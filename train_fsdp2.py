@@ -62,7 +62,7 @@ activation_checkpointing_layers = -1  # checkpoint only this many decoder layers
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
 fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once, kept through the step: no per-layer hooks on the host, more memory), "none" (ep = world size, --optim adamw_bf16: no FSDP, dense weights whole on every rank, gradients averaged once a step; with ep_capacity_factor > 0 the micro-steps can be CUDA graphs), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
-cuda_graphs = "auto"  # each micro-step replayed from a CUDA graph after 2 warm-up steps: "auto" (one GPU, where the step allows it), "true", "false"
+cuda_graphs = "auto"  # CUDA graphs after 2 warm-up steps: "auto" (one GPU: each micro-step, where the step allows it), "true" (each micro-step), "segments" (ep = world size > 1: each layer's norms and attention, the MoE part from Python; sets fsdp_wrap auto to none), "false"
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
@@ -98,11 +98,14 @@ from megablocks_utils.parallel.activation_checkpointing import (
 from megablocks_utils.parallel.mesh import FSDP_UNITS_TEXT, check_dp_replicate, check_ep_size  # noqa: E402
 from megablocks_utils.train.cuda_graph import (  # noqa: E402
     DOCUMENT_MULTIPLE,
+    WARMUP_STEPS,
     MicroStepGraphs,
     graph_blocker,
     resolve_cuda_graphs,
     zero_grads,
 )
+from megablocks_utils.train.optim import param_dtype  # noqa: E402
+from megablocks_utils.train.segment_graphs import SegmentGraphs, resolve_segment_graphs, segment_blocker  # noqa: E402
 from megablocks_utils.train.memory_plan import (  # noqa: E402
     check_checkpointed_layers,
     check_fit,
@@ -136,6 +139,15 @@ try:
         lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
         fsdp=int(os.environ.get("WORLD_SIZE", 1)) > 1 and fsdp_wrap != "none", static_exchange=ep_capacity_factor > 0,
         ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1))))
+    # cuda_graphs segments that cannot run is refused here too; the attention is the one auto would pick for packed rows
+    segments_planned = resolve_segment_graphs(cuda_graphs, segment_blocker(
+        device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
+        attention=choose_attention(attn_implementation, model_config, "cuda" if torch.cuda.is_available() else "cpu",
+                                   dtype=torch.bfloat16)[0] if torch.cuda.is_available() else None,
+        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts, lora=bool(lora),
+        dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
+        weights=param_dtype(optim) if torch.cuda.is_available() else torch.float32, fsdp_wrap=fsdp_wrap))[0]
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
     ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
@@ -178,6 +190,7 @@ from megablocks_utils.parallel.parallelize import (  # noqa: E402
     parallelize,
     set_gradient_sync,
 )
+from megablocks_utils.parallel.replicated_grads import ReplicatedGradSync  # noqa: E402
 from megablocks_utils.train.checkpoint import (  # noqa: E402
     checkpoint_step,
     complete_checkpoints,
@@ -194,7 +207,6 @@ from megablocks_utils.train.nonfinite import (  # noqa: E402
 )
 from megablocks_utils.train.optim import (  # noqa: E402
     build_optimizer,
-    param_dtype,
     parameter_groups,
     prepare_step,
     state_bytes,
@@ -261,7 +273,7 @@ plan_for = functools.partial(
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
     chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts)
 # FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
-fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep)
+fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep, replicated=segments_planned)
 plan = plan_for(fsdp_wrap=fsdp_wrap)
 check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
@@ -332,8 +344,15 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
         ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None))
 except InputError as e:
     fail(e)
+try:  # or each layer's dense segment (megablocks_utils/train/segment_graphs.py), where whole micro-steps cannot be
+    use_segments, segments_note = resolve_segment_graphs(cuda_graphs, segment_blocker(
+        device_type=device.type, world_size=world_size, ep_size=mesh.ep_size, moe_backend=moe_backend, attention=attention,
+        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts, lora=bool(lora),
+        dtype=compute_dtype, weights=param_dtype(optim), fsdp_wrap=fsdp_wrap, model=model))
+except InputError as e:
+    fail(e)
 if master:
-    print(graphs_note, flush=True)
+    print(segments_note if use_segments else graphs_note, flush=True)
 experts = set(expert_parameters(model))  # after FSDP: where it manages them, its sharded parameters
 model.train()
 
@@ -393,6 +412,10 @@ world_group = mesh.world.get_group()
 # After the warm-up steps each micro-step (forward, loss, backward) is replayed from a CUDA graph; gradients then stay
 # allocated: the graphs add into them (the experts' are written over by a step's first micro-step, the rest zeroed).
 graphs = MicroStepGraphs(model, device, announce=progress.write if master else None) if use_graphs else None
+# Or each layer's part before its MoE block, after the same warm-up steps; its gradients then stay allocated too.
+segments = SegmentGraphs(model, announce=progress.write if master else None) if use_segments else None
+# Dense weights whole on every rank: their gradients averaged during the last micro-step's backward (not inside a graph)
+replicated = ReplicatedGradSync(model.parameters(), world_group) if fsdp_wrap == "none" and graphs is None else None
 # Under graphs a static exchange's overflow is not checked per micro-step but once a step (moe/exchange_mode.py)
 defer_overflow = graphs is not None and exchange_mode(model) is not None
 
@@ -402,6 +425,8 @@ def micro_steps(step_loss, micro_batches, replay: bool) -> None:
     for i, indices in enumerate(micro_batches):
         # Dense gradients are reduced once, on the last micro-step; sharded experts' at every one.
         set_gradient_sync(model, mesh, i == len(micro_batches) - 1)
+        if replicated is not None:
+            replicated.arm(i == len(micro_batches) - 1)
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
                         document_multiple=DOCUMENT_MULTIPLE if graphs else 1)
@@ -416,6 +441,8 @@ run_start = time.perf_counter()
 clock = StepClock(device)  # each step's time without a sync of its own (megablocks_utils/train/step_clock.py)
 for step in range(start_step, total_steps):
     clock.start()
+    if segments is not None:
+        segments.live = step - start_step >= WARMUP_STEPS
     micro_batches, step_label_tokens = batches.micro_batches(step)
     # Each rank's loss is world_size x its share of the step's global token mean, so FSDP's average over
     # ranks gives the global mean's gradient (megablocks_utils/train/step.py); the step's sums go with it.
@@ -431,7 +458,9 @@ for step in range(start_step, total_steps):
         with exact_exchange(model):
             micro_steps(step_loss, micro_batches, replay=False)
         step_loss.sums.exchange_reruns = len(micro_batches)
-    if fsdp_wrap == "none":  # dense weights whole on every rank: their gradients averaged here, once a step
+    if replicated is not None:  # the last backward's all-reduces waited for, the averages written back
+        replicated.finish()
+    elif fsdp_wrap == "none":  # under whole-micro-step graphs: dense gradients averaged here, once a step
         average_replicated_grads(model.parameters(), world_group)
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
@@ -455,10 +484,12 @@ for step in range(start_step, total_steps):
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
-    if graphs is None:
-        optimizer.zero_grad(set_to_none=True)
-    else:  # the graphs add into gradients that stay where they are
+    if graphs is not None:  # the graphs add into gradients that stay where they are
         graphs.zero_grads()
+    elif segments is not None:
+        segments.zero_grads()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     # No sync here: the host reads and launches the next step while the GPU runs this one's optimizer. Before an eval, a
     # checkpoint or the end, the GPU drains and this step's time takes its optimizer (they are not training time).
     evaluating = eval_set is not None and ((eval_steps > 0 and (step + 1) % eval_steps == 0) or step + 1 == total_steps)

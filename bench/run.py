@@ -434,8 +434,9 @@ def peer_of(run: str) -> str | None:
 
 
 def plain_run(run: str) -> str:
-    """ours_synthetic for ours_synthetic_static, _graphs, _replicated or _placed: the run they vary (the same on one GPU)."""
-    for suffix in ("_static", "_graphs", "_replicated", "_placed"):
+    """ours_synthetic for ours_synthetic_static, _graphs, _replicated, _segments or _placed: the run they vary (the same on
+    one GPU)."""
+    for suffix in ("_static", "_graphs", "_replicated", "_segments", "_placed"):
         run = run.removesuffix(suffix)
     return run
 

@@ -46,7 +46,7 @@ def test_the_setting_says_what_it_does_and_refuses_an_impossible_true():
     assert resolve_cuda_graphs(True, None)[0] is True
     with pytest.raises(InputError, match="cuda_graphs true: 2 ranks.*--cuda_graphs auto or false"):
         resolve_cuda_graphs("true", "2 ranks")
-    with pytest.raises(InputError, match="choose auto, true or false"):
+    with pytest.raises(InputError, match="choose auto, true, segments or false"):
         resolve_cuda_graphs("sometimes", None)
 
 

@@ -97,7 +97,7 @@ RULES = {
     "dp_replicate": POSITIVE,
     "ep_capacity_factor": NON_NEGATIVE,
     "shard_experts": Choice(("auto", "true", "false"), bare="true"),
-    "cuda_graphs": Choice(("auto", "true", "false"), bare="true"),
+    "cuda_graphs": Choice(("auto", "true", "segments", "false"), bare="true"),
     "moe_backend": Choice(("native", "megablocks")),
     "fsdp_wrap": Choice(FSDP_WRAP_SETTINGS),
     "dtype": Choice(("auto", "bf16", "fp32")),

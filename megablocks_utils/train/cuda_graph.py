@@ -45,6 +45,8 @@ from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import InputError
 from megablocks_utils.moe.weight_grad import gradients_written
 
+# Steps run eagerly before any graph is captured (torch.compile compiles there).
+WARMUP_STEPS = 2
 # varlen's document count, padded up to a multiple of this: a graph per multiple (train/cuda_graph.py).
 DOCUMENT_MULTIPLE = 64
 # The attention kernels whose forward needs no host sync and no mask object (model/attention.py): with "sdpa" and
@@ -98,9 +100,11 @@ def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attent
 def resolve_cuda_graphs(setting, blocker: str | None) -> tuple[bool, str]:
     """(on, the line the script prints) for the ``cuda_graphs`` setting ("auto", "true", "false" or a bool); "true"
     where a graph cannot run raises InputError saying why."""
+    if str(setting).lower() == "segments":  # each layer's dense segment instead (train/segment_graphs.py)
+        return False, "cuda_graphs segments: no whole micro-step graphs"
     flag = parse_bool(setting)
     if flag is None and str(setting).lower() != "auto":
-        raise InputError(f"cuda_graphs={setting!r} is unknown; choose auto, true or false")
+        raise InputError(f"cuda_graphs={setting!r} is unknown; choose auto, true, segments or false")
     if flag is False:
         return False, "cuda_graphs false: every micro-step launched from Python"
     if blocker is None:
@@ -179,7 +183,7 @@ class MicroStepGraphs:
     from a CUDA graph per batch signature and place in the step (first micro-step or not). After each optimizer step
     the script calls ``zero_grads``."""
 
-    def __init__(self, model: nn.Module, device: torch.device, warmup_steps: int = 2, announce=None):
+    def __init__(self, model: nn.Module, device: torch.device, warmup_steps: int = WARMUP_STEPS, announce=None):
         self.model, self.warmup_steps = model, warmup_steps
         self.announce = announce  # called with a line after each capture (the script's progress bar writes it)
         self.stream = torch.cuda.Stream(device)

@@ -845,17 +845,21 @@ def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
 
 
 def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], gpu_memory_bytes: float, world_size: int,
-                      ep: int) -> str:
-    """The script's ``fsdp_wrap`` ("auto", "layer" or "model"; parallel/mesh.FSDP_WRAPS) as the units to build.
+                      ep: int, replicated: bool = False) -> str:
+    """The script's ``fsdp_wrap`` ("auto", "layer", "model" or "none"; parallel/mesh.FSDP_WRAPS) as the units to build.
 
     "auto" is "model" where ep covers every rank (the experts stay out of FSDP, so FSDP's per-layer hooks only gather
     dense weights; measured there: 2 x H200 at ep 2, 11% faster steps, BENCHMARKS.md) and the plan with every layer's
     dense weights gathered at once fits within 90% of the GPU (``estimate``: the plan for a wrap; the margin because the
-    estimate ran low on full-size Mixtral, docs/memory.md: a run near the limit keeps the smaller units); else "layer"."""
+    estimate ran low on full-size Mixtral, docs/memory.md: a run near the limit keeps the smaller units); else "layer".
+    With ``replicated`` (CUDA graphs of the dense segments planned, train/segment_graphs.py, which need the dense
+    weights at fixed addresses) it is "none" first, where that plan fits the same way."""
     if setting != "auto":
         return setting
     if world_size == 1 or ep != world_size:
         return "layer"
+    if replicated and (gpu_memory_bytes <= 0 or estimate("none").total <= 0.9 * gpu_memory_bytes):
+        return "none"
     if gpu_memory_bytes > 0 and estimate("model").total > 0.9 * gpu_memory_bytes:
         return "layer"
     return "model"

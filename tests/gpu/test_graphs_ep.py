@@ -10,7 +10,9 @@ train_fsdp2.py on the tiny model, bf16, --optim adamw_bf16, packed rows (varlen)
 - factor 1.25 with graphs against the same without graphs (the graphs replay the eager path's kernels);
 - factor 0.1 with graphs (capacity 128 rows: every step overflows and is rerun exactly) against the exact exchange;
 - the exact exchange with ``--fsdp_wrap none`` against the default (FSDP's whole-model unit): the replicated dense
-  weights' once-a-step average is FSDP's reduce.
+  weights' average during the last backward (parallel/replicated_grads.py) is FSDP's reduce;
+- ``--cuda_graphs segments`` (each layer's norms and attention from graphs, the MoE blocks eager; train/segment_graphs.py;
+  fsdp_wrap auto resolved to none) against the same layers launched from Python (``--fsdp_wrap none``).
 Each within the bf16 bound of test_train_parity.py (2e-3).
 """
 
@@ -30,6 +32,7 @@ def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
         "eager": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "false"),
         "overflow_graphs": ("--ep_capacity_factor", "0.1", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
         "exact_replicated": ("--fsdp_wrap", "none"),
+        "segments": ("--cuda_graphs", "segments"),
         "exact_fsdp": (),
     }
     root = tmp_path_factory.mktemp("ep_graphs")
@@ -66,3 +69,18 @@ def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
     # its norm by far more than 1e-2. Later steps' norms drift apart in bf16 (CPU, 2 gloo ranks: both 2-6% from fp32's at
     # step 7, 6% apart on 2 x H200), as the weights they come from do.
     assert abs(replicated[0]["grad_norm"] / fsdp[0]["grad_norm"] - 1) <= 1e-2
+
+
+def test_segment_graphs_train_as_the_layers_launched_from_python(ep_graph_runs):
+    segmented, log = ep_graph_runs["segments"]
+    assert "cuda_graphs segments: each decoder layer's norms and attention replayed" in log
+    assert "dense segments captured" in log  # after the 2 warm-up steps: steps 3 to 8 replay them
+    assert "FSDP units: none, dense weights whole on every rank" in log  # fsdp_wrap auto, resolved for the segments
+    eager = ep_graph_runs["exact_replicated"][0]
+    assert len(segmented) == len(eager) == 8
+    assert worst_relative(segmented, eager, "loss") <= 2e-3
+    # Step 3 is the first from graphs, on the same weights as the eager run's step 3 (steps 1-2 ran the same eager
+    # kernels): a segment gradient taken over by autograd (the static buffer the next micro-step's replay rewrites) or
+    # left unaveraged would move its norm far more than 1e-2.
+    assert abs(segmented[2]["grad_norm"] / eager[2]["grad_norm"] - 1) <= 1e-2
+    assert segmented[-1]["loss"] < segmented[0]["loss"]

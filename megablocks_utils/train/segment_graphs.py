@@ -1,0 +1,243 @@
+"""At ep > 1, the dense segment of each decoder layer replayed from CUDA graphs, the MoE block between two segments
+launched from Python as before (``cuda_graphs segments``).
+
+Why: at ep > 1 the forward is paced by the host. Each MoE layer reads its routed counts (the one sync that sizes the
+all-to-all), so the host cannot run ahead, and the GPU waits while the host launches the layer's next kernels: ~5 ms
+of launches per layer at Qwen3-30B-A3B's shape on 4 x H200 against ~2.3 ms of GPU work (bench/reports/
+ep_levers_h200_2026-11-27e.md). Whole micro-steps cannot be graphs there (the exact exchange's splits are host numbers;
+the static exchange that would allow it overflowed or padded too much). The part of each layer before its MoE block (input norm,
+attention, residual, post-attention norm) has fixed shapes and no sync: one graph each way, through
+``torch.cuda.make_graphed_callables`` (forward and backward graphs as one autograd node). Measured by
+bench/segment_graphs_probe.py on 4 x H200: a micro-step of the 12-layer stack 118 ms against 163 ms eager at ep 4.
+
+How: each decoder layer's ``forward`` (on the instance, as make_graphed_callables itself replaces a module's forward)
+becomes ``segment -> mlp -> residual``, which the layers of ``SEGMENT_LAYERS`` (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
+gpt-oss, OLMoE, GLM-4-MoE) compute exactly. The segment runs eagerly (the same operators in the same order as
+transformers' layer) until the script says the warm-up steps are done (``live``); then the first micro-step of each
+new input signature (shapes, dtypes, the attention's other arguments) captures all layers' segments, and later
+micro-steps of that signature replay them.
+
+What the graphs need, and where it is ensured:
+- weights at fixed addresses: ``fsdp_wrap`` "none" (no FSDP: dense weights whole on every rank, their gradients
+  averaged during the last backward, ``parallel/replicated_grads.py``); the optimizer updates them in place;
+- gradients that exist before the first graphed backward and stay in place: a graphed backward returns its weight
+  gradients in static buffers, which autograd would take over as ``.grad`` were none there (and the next replay would
+  overwrite a step's sum); ``prepare_grads`` allocates them and ``zero_grads`` zeroes them in place;
+- a segment's outputs are static buffers too, rewritten at its next replay: every micro-step's backward finishes before
+  the next forward (gradient accumulation), and evaluation (no gradients) runs the eager segment;
+- capturable attention (``cuda_graph.CAPTURABLE_ATTENTION``: no mask built on the host), no activation checkpointing
+  (a recomputed segment would replay over the outputs its backward still needs), no LoRA (not yet run under graphs).
+"""
+
+import time
+
+import torch
+from torch import nn
+
+from megablocks_utils.errors import InputError
+from megablocks_utils.model.architectures import decoder_layers
+from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
+
+# transformers' decoder layers whose forward is exactly ``_dense_segment`` -> mlp -> residual: pre-norm attention with a
+# residual, then the MLP (here the MoE block) with a residual (tests/test_segment_graphs.py holds each to it). Granite's
+# layers scale their residuals and are not among them.
+SEGMENT_LAYERS = frozenset({"MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "DeepseekV2DecoderLayer",
+                            "DeepseekV3DecoderLayer", "GptOssDecoderLayer", "OlmoeDecoderLayer", "Glm4MoeDecoderLayer"})
+SEGMENT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm")
+# Whether cuda_graphs "auto" takes the segments at ep = world size > 1 (where they can run).
+SEGMENTS_IN_AUTO = False
+# Signatures with graphs of their own (each holds every layer's segment activations); a micro-step of one more runs eagerly.
+MAX_SIGNATURES = 4
+
+
+def segment_blocker(*, device_type: str, world_size: int, ep_size: int, moe_backend: str, attention: str | None,
+                    activation_checkpointing: str, checkpoint_experts: bool, lora: bool, dtype: torch.dtype,
+                    weights: torch.dtype, fsdp_wrap: str, model: nn.Module | None = None) -> str | None:
+    """Why the dense segments cannot be CUDA graphs in this run, or None when they can. ``dtype``: the compute dtype;
+    ``weights``: the dtype the optimizer keeps the weights in; ``attention`` None: not yet chosen; ``fsdp_wrap`` "auto"
+    counts as "none" (the script resolves it so where segments are planned); ``model`` None: not yet built."""
+    if device_type != "cuda":
+        return "CUDA graphs need a GPU"
+    if world_size == 1:
+        return "one GPU: whole micro-steps are graphs there (cuda_graphs auto or true)"
+    if ep_size != world_size:
+        return f"{world_size} ranks at ep {ep_size}: FSDP shards the experts over dp; segments need ep = world size ({world_size})"
+    if fsdp_wrap not in ("none", "auto"):
+        return f"fsdp_wrap {fsdp_wrap}: FSDP moves the dense weights each step; segments need --fsdp_wrap none (or auto)"
+    if dtype != torch.bfloat16:
+        return f"{str(dtype).removeprefix('torch.')} compute: segments are run in bf16 only"
+    if weights != dtype:
+        return (f"{str(weights).removeprefix('torch.')} weights, which FSDP casts at every forward; segments need the weights "
+                "whole in bf16 on every rank: --optim adamw_bf16")
+    if moe_backend != "native":
+        return f"moe_backend {moe_backend!r}: segments are run with the native MoE layer only"
+    if attention is not None and attention not in CAPTURABLE_ATTENTION:
+        return f"attention {attention!r} builds or checks its mask on the host; segments take {' or '.join(CAPTURABLE_ATTENTION)}"
+    if activation_checkpointing != "none" or checkpoint_experts:
+        return "activation checkpointing would replay a segment over the outputs its backward still needs"
+    if lora:
+        return "LoRA under a graph is not yet verified on a GPU"
+    if model is not None:
+        other = sorted({type(layer).__name__ for layer in decoder_layers(model)} - SEGMENT_LAYERS)
+        if other:
+            return f"{', '.join(other)}: not a decoder layer the segments are cut from (train/segment_graphs.SEGMENT_LAYERS)"
+    return None
+
+
+def resolve_segment_graphs(setting, blocker: str | None) -> tuple[bool, str]:
+    """(on, the line the script prints) for the ``cuda_graphs`` setting: "segments" where the segments cannot run raises
+    InputError saying why; "auto" takes them where ``SEGMENTS_IN_AUTO`` and nothing blocks them; else off ("")."""
+    setting = str(setting).lower()
+    if setting == "segments":
+        if blocker is not None:
+            raise InputError(f"cuda_graphs segments: {blocker}; run with --cuda_graphs auto or false")
+        return True, ("cuda_graphs segments: each decoder layer's norms and attention replayed from CUDA graphs after the "
+                      "warm-up steps, its MoE block launched from Python")
+    if setting == "auto" and SEGMENTS_IN_AUTO and blocker is None:
+        return True, ("cuda_graphs auto: segments (ep = world size: each decoder layer's norms and attention replayed from "
+                      "CUDA graphs after the warm-up steps, its MoE block launched from Python)")
+    return False, ""
+
+
+class _Segment(nn.Module):
+    """One layer's part before its MoE block: ``h -> (h + attention(norm(h)), post_norm(h + ...))``. The layer's three
+    modules are its children (their parameters are the graph's weights); it is not part of the model's tree, so the
+    model's parameter names do not change. ``args``: how the attention's arguments are rebuilt from the tensors given
+    after ``h`` and the ``fixed`` rest (``_Arguments``)."""
+
+    def __init__(self, layer: nn.Module, args: "_Arguments"):
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.args = args
+
+    def forward(self, h: torch.Tensor, *tensors: torch.Tensor):
+        return _dense_segment(self, h, self.args.rebuild(tensors))
+
+
+def _dense_segment(layer: nn.Module, h: torch.Tensor, kwargs: dict):
+    """transformers' decoder layer up to its MLP, operator for operator: (the residual stream, the MLP's input)."""
+    attended = layer.self_attn(hidden_states=layer.input_layernorm(h), **kwargs)[0]
+    h = h + attended
+    return h, layer.post_attention_layernorm(h)
+
+
+class _Arguments:
+    """A layer call's keyword arguments (position embeddings, the attention's inputs) as a graph sees them: the tensors
+    (a tuple of tensors, such as (cos, sin), counts as its tensors) in a fixed order, and the rest, which must be the
+    same at every replay. ``key``: what a graph is captured for; None where an argument cannot be part of one (an
+    object that is neither a tensor, a tuple of them, a number, a string nor None, such as a cache)."""
+
+    def __init__(self, kwargs: dict):
+        self.slots: list[tuple[str, int | None]] = []  # (name, index in its tuple or None)
+        self.fixed, self.key = {}, None
+        for name in sorted(kwargs):
+            value = kwargs[name]
+            if isinstance(value, torch.Tensor):
+                self.slots.append((name, None))
+            elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+                self.slots += [(name, i) for i in range(len(value))]
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                self.fixed[name] = value
+            else:
+                return
+        tensors = self.tensors(kwargs)
+        self.key = (tuple(self.slots), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+                    tuple(self.fixed.items()))
+
+    def tensors(self, kwargs: dict) -> list[torch.Tensor]:
+        return [kwargs[name] if i is None else kwargs[name][i] for name, i in self.slots]
+
+    def rebuild(self, tensors) -> dict:
+        kwargs, tuples = dict(self.fixed), {}
+        for (name, i), t in zip(self.slots, tensors):
+            if i is None:
+                kwargs[name] = t
+            else:
+                tuples.setdefault(name, []).append(t)
+        kwargs.update({name: tuple(parts) for name, parts in tuples.items()})
+        return kwargs
+
+
+class SegmentGraphs:
+    """Each decoder layer's dense segment through CUDA graphs once ``live`` (see the module's docstring).
+
+    The script sets ``live`` after its warm-up steps, calls ``zero_grads`` after each optimizer step (instead of
+    setting gradients to None) and ``release`` at the end. ``announce`` (rank 0's print) hears each capture."""
+
+    def __init__(self, model: nn.Module, announce=None):
+        self.model, self.announce = model, announce
+        self.layers = list(decoder_layers(model))
+        self.live = False
+        self.graphs: dict[tuple, list] = {}  # signature -> each layer's graphed segment
+        self.too_many = False
+        self.params = [p for layer in self.layers for part in SEGMENT_PARTS for p in getattr(layer, part).parameters()
+                       if p.requires_grad]
+        for i, layer in enumerate(self.layers):
+            # An instance attribute: the layer's class and every other model are untouched.
+            layer.forward = self._layer_forward(layer, i)
+
+    def _layer_forward(self, layer: nn.Module, index: int):
+        def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+            h, normed = self._segment(layer, index, hidden_states, kwargs)
+            out = layer.mlp(normed)
+            if isinstance(out, tuple):  # gpt-oss's MoE block returns (hidden states, router scores)
+                out = out[0]
+            return h + out
+
+        return forward
+
+    def _segment(self, layer: nn.Module, index: int, h: torch.Tensor, kwargs: dict):
+        if self.live and layer.training and torch.is_grad_enabled():
+            args = _Arguments(kwargs)
+            if args.key is not None:
+                key = (tuple(h.shape), h.dtype, h.requires_grad, args.key)
+                graphed = self.graphs.get(key)
+                if graphed is None and index == 0:
+                    graphed = self._capture(key, h, args, kwargs)
+                if graphed is not None:
+                    return graphed[index](h, *args.tensors(kwargs))
+        return _dense_segment(layer, h, kwargs)
+
+    def _capture(self, key: tuple, h: torch.Tensor, args: _Arguments, kwargs: dict) -> list | None:
+        """Every layer's segment captured for this signature (at the first layer of its first live micro-step), with
+        this call's tensors as samples; None past ``MAX_SIGNATURES``."""
+        if len(self.graphs) >= MAX_SIGNATURES:
+            if not self.too_many and self.announce:
+                self.announce(f"cuda_graphs segments: more than {MAX_SIGNATURES} input shapes; micro-steps of a new one run eagerly")
+            self.too_many = True
+            return None
+        start = time.perf_counter()
+        self.prepare_grads()
+        segments = tuple(_Segment(layer, args) for layer in self.layers)
+        samples = tuple((h.detach().clone().requires_grad_(h.requires_grad), *(t.detach().clone() for t in args.tensors(kwargs)))
+                        for _ in segments)
+        self.graphs[key] = list(torch.cuda.make_graphed_callables(segments, samples))
+        if self.announce:
+            self.announce(f"cuda_graphs segments: {len(segments)} layers' dense segments captured in "
+                          f"{time.perf_counter() - start:.1f} s (input {tuple(h.shape)})")
+        return self.graphs[key]
+
+    def prepare_grads(self) -> None:
+        """Every segment weight's gradient allocated (zero) where it is None, before a graphed backward adds into it."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def zero_grads(self) -> None:
+        """After the optimizer step: the segments' gradients zeroed in place once graphs exist (they add into them),
+        every other gradient freed as the eager steps do."""
+        kept = {id(p) for p in self.params} if self.graphs else set()
+        for p in self.model.parameters():
+            if id(p) not in kept:
+                p.grad = None
+        if kept:
+            zero_grads(self.params)
+
+    def release(self) -> None:
+        """Free every captured graph (their static activations) once training is done; the layers run eagerly after."""
+        self.live = False
+        if self.graphs:
+            torch.cuda.synchronize()
+        self.graphs.clear()

@@ -1,0 +1,138 @@
+"""The dense segments of train/segment_graphs.py and the overlapped average of parallel/replicated_grads.py, on CPU: the
+restructured decoder layer against transformers' own, the settings' rules, and the average over 2 gloo ranks (the graphs
+themselves: tests/gpu/test_graphs_ep.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
+from torch import nn
+
+from megablocks_utils.errors import InputError
+from megablocks_utils.train import segment_graphs
+from megablocks_utils.train.segment_graphs import SEGMENT_LAYERS, SegmentGraphs, resolve_segment_graphs, segment_blocker
+
+EP2 = dict(device_type="cuda", world_size=2, ep_size=2, moe_backend="native", attention="varlen", activation_checkpointing="none",
+           checkpoint_experts=False, lora=False, dtype=torch.bfloat16, weights=torch.bfloat16, fsdp_wrap="none")
+
+
+def _model(arch: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_moe_config(arch), attn_implementation="eager").float()
+
+
+def _loss_and_grads(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_segmented_layer_is_transformers_layer(arch):
+    """Every layer the segments accept computes segment -> mlp -> residual exactly (loss and every gradient bitwise equal,
+    fp32, with its eager segment: the graphs replay these very operators); the others are refused by name."""
+    model = _model(arch)
+    if type(model.model.layers[0]).__name__ not in SEGMENT_LAYERS:
+        assert "not a decoder layer the segments" in segment_blocker(**EP2, model=model)
+        return
+    assert segment_blocker(**EP2, model=model) is None
+    segmented = copy.deepcopy(model)
+    segments = SegmentGraphs(segmented)
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss, grads = _loss_and_grads(model, ids)
+    seg_loss, seg_grads = _loss_and_grads(segmented, ids)
+    assert torch.equal(loss, seg_loss), (loss, seg_loss)
+    assert grads.keys() == seg_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], seg_grads[name]), name
+    # the model's parameter names are untouched (a checkpoint of it loads as before), the segments hold the layers' weights
+    assert [n for n, _ in segmented.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert {id(p) for p in segments.params} == {id(p) for layer in segmented.model.layers for part in
+                                               ("input_layernorm", "self_attn", "post_attention_layernorm")
+                                               for p in getattr(layer, part).parameters()}
+
+
+def test_gradients_stay_allocated_once_graphs_exist():
+    """A graphed backward returns its weight gradients in static buffers, so they must exist before and stay in place:
+    prepare_grads allocates zeros; zero_grads zeroes them in place (the rest freed) once graphs exist, frees all before."""
+    model = _model("mixtral")
+    segments = SegmentGraphs(model)
+    ids = torch.randint(1, 96, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    segments.zero_grads()  # no graphs yet: as the eager steps
+    assert all(p.grad is None for p in model.parameters())
+    segments.prepare_grads()
+    assert all(p.grad is not None and not p.grad.any() for p in segments.params)
+    model(input_ids=ids, labels=ids).loss.backward()
+    kept = {id(p): p.grad for p in segments.params}
+    segments.graphs[("a signature",)] = []  # as after a capture
+    segments.zero_grads()
+    assert all(p.grad is kept[id(p)] and not p.grad.any() for p in segments.params)  # the same tensors, zeroed
+    assert all(p.grad is None for p in model.parameters() if id(p) not in kept)
+
+
+def test_segments_are_refused_where_they_cannot_run():
+    assert segment_blocker(**EP2) is None
+    assert segment_blocker(**{**EP2, "fsdp_wrap": "auto", "attention": None}) is None  # auto is resolved to none for them
+    blocked = {
+        "device_type": ("cpu", "need a GPU"),
+        "world_size": (1, "one GPU"),
+        "ep_size": (1, "ep = world size"),
+        "fsdp_wrap": ("model", "--fsdp_wrap none"),
+        "dtype": (torch.float32, "bf16 only"),
+        "weights": (torch.float32, "--optim adamw_bf16"),
+        "moe_backend": ("megablocks", "native"),
+        "attention": ("flex_attention", "flex_attention"),
+        "activation_checkpointing": ("full", "checkpointing"),
+        "checkpoint_experts": (True, "checkpointing"),
+        "lora": (True, "LoRA"),
+    }
+    for name, (value, words) in blocked.items():
+        assert words in segment_blocker(**{**EP2, "world_size": 2, name: value} if name != "world_size"
+                                        else {**EP2, "world_size": 1, "ep_size": 1}), name
+
+
+def test_the_setting_segments_is_on_or_refused_and_auto_follows_the_switch(monkeypatch):
+    on, note = resolve_segment_graphs("segments", None)
+    assert on and "MoE block launched from Python" in note
+    with pytest.raises(InputError, match="cuda_graphs segments: CUDA graphs need a GPU.*--cuda_graphs auto or false"):
+        resolve_segment_graphs("segments", "CUDA graphs need a GPU")
+    assert resolve_segment_graphs("false", None) == (False, "")
+    assert resolve_segment_graphs("true", None) == (False, "")  # whole micro-steps: cuda_graph.py
+    monkeypatch.setattr(segment_graphs, "SEGMENTS_IN_AUTO", True)
+    assert resolve_segment_graphs("auto", None)[0] is True
+    assert resolve_segment_graphs("auto", "one GPU: ...") == (False, "")
+    monkeypatch.setattr(segment_graphs, "SEGMENTS_IN_AUTO", False)
+    assert resolve_segment_graphs("auto", None) == (False, "")
+
+
+def _check_overlapped_average(rank, world):
+    from megablocks_utils.parallel.replicated_grads import ReplicatedGradSync
+
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    sync = ReplicatedGradSync(model.parameters(), dist.group.WORLD, bucket_elements=60)  # several buckets
+    assert len(sync.buckets) >= 3
+    inputs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    for i, x in enumerate(inputs):
+        sync.arm(i == len(inputs) - 1)
+        model(x).square().sum().backward()
+        if i == 0:
+            assert sync.launched == []  # a first micro-step's gradients are not reduced
+    assert len(sync.launched) == len(sync.buckets)  # every bucket launched by the hooks, during the backward
+    local = [p.grad.clone() for p in model.parameters()]
+    sync.finish()
+    for p, mine in zip(model.parameters(), local):
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        expected = torch.stack(gathered).sum(0) / world
+        assert torch.allclose(p.grad, expected, rtol=1e-6, atol=1e-7), (rank, (p.grad - expected).abs().max())
+    assert sync.launched == [] and not sync.armed  # ready for the next step
+
+
+def test_replicated_gradients_are_averaged_by_the_last_backward():
+    run_ranks(_check_overlapped_average, 2)
