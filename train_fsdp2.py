@@ -429,7 +429,7 @@ def micro_steps(step_loss, micro_batches, replay: bool) -> None:
             replicated.arm(i == len(micro_batches) - 1)
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
-                        document_multiple=DOCUMENT_MULTIPLE if graphs else 1)
+                        document_multiple=DOCUMENT_MULTIPLE if graphs or segments else 1)
         if replay:
             graphs.micro_step(step_loss, batch, steps_done=step - start_step, first=i == 0)
         else:

@@ -34,6 +34,8 @@
   ours_synthetic_segments, ours_chat_segments  ours_synthetic, ours_chat with --cuda_graphs segments (at --ep = GPUs > 1:
                    each layer's norms and attention from CUDA graphs, the MoE blocks from Python, fsdp_wrap none; one
                    GPU: the defaults, whole micro-steps from graphs)
+  ours_synthetic_model_wrap, ours_chat_model_wrap  ours_synthetic, ours_chat with --fsdp_wrap model (at --ep = GPUs > 1:
+                   the dense weights one FSDP unit, no segment graphs: the default before the segments; one GPU: the defaults)
   ours_synthetic_graphs, ours_chat_graphs  the *_static runs with --fsdp_wrap none --cuda_graphs true: at --ep > 1 the
                    dense weights whole on every rank and each micro-step replayed from a CUDA graph (one GPU: graphs
                    as by default)
@@ -118,7 +120,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
-        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_placed", "ours_chat_placed", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
@@ -207,8 +209,9 @@ def ours(run: str, args, work: str) -> dict:
              "ours_chat_layer_wrap": ["--fsdp_wrap", "layer"], "ours_synthetic_static": static, "ours_chat_static": static,
              "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs, "ours_synthetic_replicated": ["--fsdp_wrap", "none"],
              "ours_chat_replicated": ["--fsdp_wrap", "none"], "ours_synthetic_segments": ["--cuda_graphs", "segments"],
-             "ours_chat_segments": ["--cuda_graphs", "segments"]}.get(run, [])
-    if run.endswith("_segments") and args.ep == 1:  # one GPU: whole micro-steps are graphs by default
+             "ours_chat_segments": ["--cuda_graphs", "segments"], "ours_synthetic_model_wrap": ["--fsdp_wrap", "model"],
+             "ours_chat_model_wrap": ["--fsdp_wrap", "model"]}.get(run, [])
+    if run.endswith(("_segments", "_model_wrap")) and args.ep == 1:  # one GPU: the defaults (whole micro-steps from graphs)
         extra = []
     model_dir = placed_model(run, args, work) if run.endswith("_placed") else args.dir
     # Routing other than the weights' own: the same hooks as transformers' side, put on the model train_fsdp2.py loads.

@@ -436,7 +436,7 @@ def peer_of(run: str) -> str | None:
 def plain_run(run: str) -> str:
     """ours_synthetic for ours_synthetic_static, _graphs, _replicated, _segments or _placed: the run they vary (the same on
     one GPU)."""
-    for suffix in ("_static", "_graphs", "_replicated", "_segments", "_placed"):
+    for suffix in ("_static", "_graphs", "_replicated", "_segments", "_model_wrap", "_placed"):
         run = run.removesuffix(suffix)
     return run
 

@@ -15,7 +15,8 @@ becomes ``segment -> mlp -> residual``, which the layers of ``SEGMENT_LAYERS`` (
 gpt-oss, OLMoE, GLM-4-MoE) compute exactly. The segment runs eagerly (the same operators in the same order as
 transformers' layer) until the script says the warm-up steps are done (``live``); then the first micro-step of each
 new input signature (shapes, dtypes, the attention's other arguments) captures all layers' segments, and later
-micro-steps of that signature replay them.
+micro-steps of that signature replay them. Packed rows' document boundaries come padded to a multiple of
+``cuda_graph.DOCUMENT_MULTIPLE`` (the script's collate), so real records have one signature or a few, not one each.
 
 What the graphs need, and where it is ensured:
 - weights at fixed addresses: ``fsdp_wrap`` "none" (no FSDP: dense weights whole on every rank, their gradients
@@ -44,8 +45,9 @@ from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
 SEGMENT_LAYERS = frozenset({"MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "DeepseekV2DecoderLayer",
                             "DeepseekV3DecoderLayer", "GptOssDecoderLayer", "OlmoeDecoderLayer", "Glm4MoeDecoderLayer"})
 SEGMENT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm")
-# Whether cuda_graphs "auto" takes the segments at ep = world size > 1 (where they can run).
-SEGMENTS_IN_AUTO = False
+# Whether cuda_graphs "auto" takes the segments at ep = world size > 1 (where they can run): on since 4 x H200 measured
+# them ahead of FSDP's whole-model unit (BENCHMARKS.md, "Several GPUs").
+SEGMENTS_IN_AUTO = True
 # Signatures with graphs of their own (each holds every layer's segment activations); a micro-step of one more runs eagerly.
 MAX_SIGNATURES = 4
 

@@ -11,8 +11,9 @@ train_fsdp2.py on the tiny model, bf16, --optim adamw_bf16, packed rows (varlen)
 - factor 0.1 with graphs (capacity 128 rows: every step overflows and is rerun exactly) against the exact exchange;
 - the exact exchange with ``--fsdp_wrap none`` against the default (FSDP's whole-model unit): the replicated dense
   weights' average during the last backward (parallel/replicated_grads.py) is FSDP's reduce;
-- ``--cuda_graphs segments`` (each layer's norms and attention from graphs, the MoE blocks eager; train/segment_graphs.py;
-  fsdp_wrap auto resolved to none) against the same layers launched from Python (``--fsdp_wrap none``).
+- the defaults, where ``cuda_graphs auto`` takes the segments (each layer's norms and attention from graphs, the MoE blocks
+  eager; train/segment_graphs.py; fsdp_wrap auto resolved to none) against the same layers launched from Python
+  (``--fsdp_wrap none --cuda_graphs false``).
 Each within the bf16 bound of test_train_parity.py (2e-3).
 """
 
@@ -31,9 +32,9 @@ def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
         "graphs": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
         "eager": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "false"),
         "overflow_graphs": ("--ep_capacity_factor", "0.1", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
-        "exact_replicated": ("--fsdp_wrap", "none"),
-        "segments": ("--cuda_graphs", "segments"),
-        "exact_fsdp": (),
+        "exact_replicated": ("--fsdp_wrap", "none", "--cuda_graphs", "false"),
+        "segments": (),  # the defaults: cuda_graphs auto takes the segments here, fsdp_wrap auto resolves to none
+        "exact_fsdp": ("--cuda_graphs", "false"),  # fsdp_wrap auto: FSDP's whole-model unit
     }
     root = tmp_path_factory.mktemp("ep_graphs")
     out = {name: str(root / name) for name in runs}
@@ -63,7 +64,8 @@ def test_an_overflow_under_graphs_reruns_the_step_on_the_exact_exchange(ep_graph
 
 def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
     replicated, fsdp = ep_graph_runs["exact_replicated"][0], ep_graph_runs["exact_fsdp"][0]
-    assert "cuda_graphs auto: off" in ep_graph_runs["exact_replicated"][1]  # the exact exchange keeps graphs off
+    assert "cuda_graphs false" in ep_graph_runs["exact_replicated"][1]
+    assert "FSDP units: the whole model" in ep_graph_runs["exact_fsdp"][1]
     assert worst_relative(replicated, fsdp, "loss") <= 2e-3
     # The first step's gradients come from the same weights: a dense gradient left unaveraged, or averaged twice, moves
     # its norm by far more than 1e-2. Later steps' norms drift apart in bf16 (CPU, 2 gloo ranks: both 2-6% from fp32's at
@@ -73,7 +75,7 @@ def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
 
 def test_segment_graphs_train_as_the_layers_launched_from_python(ep_graph_runs):
     segmented, log = ep_graph_runs["segments"]
-    assert "cuda_graphs segments: each decoder layer's norms and attention replayed" in log
+    assert "cuda_graphs auto: segments (ep = world size" in log
     assert "dense segments captured" in log  # after the 2 warm-up steps: steps 3 to 8 replay them
     assert "FSDP units: none, dense weights whole on every rank" in log  # fsdp_wrap auto, resolved for the segments
     eager = ep_graph_runs["exact_replicated"][0]
