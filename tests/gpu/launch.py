@@ -67,6 +67,26 @@ def run_on_gpus(fn, world: int, *args, timeout: float = 600) -> list:
     """``fn(rank, world, *args)`` on ``world`` GPUs, one spawned process each with an NCCL process group; returns
     every rank's JSON-able result. A rank's exception fails the test with its traceback; past ``timeout`` seconds
     the ranks are stopped and the test fails (a hang in a collective is a failure, not a stuck suite)."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_on_gpus(fn, world, args, timeout)
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+# A port free_port saw free can be taken before rank 0's store binds it: by another lane's launch (tests/gpu/lanes.sh runs
+# five pytest processes at once; 4 x H200, 2026-11-27: two module fixtures failed with EADDRINUSE). Such a launch, which
+# ran none of the test's work, is tried again on a new port.
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_on_gpus(fn, world: int, args: tuple, timeout: float) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=False,
                                      start_method="spawn")
@@ -78,6 +98,10 @@ def run_on_gpus(fn, world: int, *args, timeout: float = 600) -> list:
                         p.kill()
                     pytest.fail(f"{fn.__name__} on {world} GPU(s) did not finish in {timeout:.0f} s", pytrace=False)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            if "EADDRINUSE" in str(e):
+                for p in context.processes:
+                    p.kill()
+                raise _PortTaken(str(e)) from e
             pytest.fail(f"{fn.__name__} on {world} GPU(s) failed:\n{e}", pytrace=False)
         results = []
         for rank in range(world):
