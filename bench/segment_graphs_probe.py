@@ -11,9 +11,13 @@ The model: ``--shape`` with ``--layers`` layers (bench/real_data.py's random che
 train_fsdp2.py loads it (ep = the rank count), dense weights whole on every rank (``fsdp_wrap none``: FSDP would move
 their addresses each step), attention and norms compiled (``compile_dense``). Each micro-step: one row of ``--seq``
 random tokens per rank through the decoder stack (no loss head: the mean square of the final norm's output), forward
-and backward. Two ways, the same code but for the segments:
+and backward. Three ways, the same code but for the segments:
   eager    every segment launched from Python (today's forward, bar FSDP)
-  graphed  each layer's segment through ``torch.cuda.make_graphed_callables`` (forward and backward graphs)
+  graphed  each layer's segment through ``torch.cuda.make_graphed_callables`` (forward and backward graphs): what
+           ``cuda_graphs segments`` does in training (train/segment_graphs.py)
+  graphed_routed  the segment and the MoE block's part before its count read (router, route, dispatch:
+           ``ExpertParallelExperts.dispatched``) in one graph each way, the rest eager (``exchange_and_combine``): what
+           extending the segments that far would buy (the MoE block's launches pace the forward after them)
 One JSON record per way (rank 0 appends it to --out): ms per micro-step (wall, median of --iters), the forward's host
 ms per layer, the forward's GPU ms (CUDA events); one of the probe's stack against the model's own forward, and one of
 the graphed micro-step against the eager one (max abs difference of the stack's output and of a dense gradient).
@@ -37,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megablocks_utils.model.architectures import decoder_layers  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.build import load_model  # noqa: E402
+from megablocks_utils.moe.dispatch import Route  # noqa: E402
 from megablocks_utils.parallel.parallelize import parallelize  # noqa: E402
 
 
@@ -54,6 +59,23 @@ class DenseSegment(nn.Module):
         attended = self.self_attn(hidden_states=self.input_layernorm(h), position_embeddings=(cos, sin), attention_mask=None)[0]
         h = h + attended
         return h, self.post_attention_layernorm(h)
+
+
+class RoutedSegment(DenseSegment):
+    """``DenseSegment`` and the MoE block up to its exchange: (residual stream, MLP input, router probabilities, top-k
+    weights, top-k experts, the route's four tensors, the routed rows). The router is a child (its weight a graph input),
+    the experts are not (the rows' exchange and the experts run eagerly)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__(layer)
+        self.router = layer.mlp.top_k_router
+        self._experts = [layer.mlp.experts]  # in a list: not a child
+
+    def forward(self, h, cos, sin):
+        h, normed = super().forward(h, cos, sin)
+        probs, top_w, top_i = self.router(normed.reshape(-1, normed.shape[-1]))
+        r, routed = self._experts[0].dispatched(normed.reshape(-1, normed.shape[-1]), top_i)
+        return h, normed, probs, top_w, top_i, *r, routed
 
 
 def parse_args():
@@ -119,12 +141,20 @@ def main():
         return torch.randint(0, config.vocab_size, (1, seq), generator=g).to(device)
 
     def forward(segs, ids) -> torch.Tensor:
-        """The decoder stack as the model runs it, with each layer's part before its MoE block as ``segs``."""
+        """The decoder stack as the model runs it, with each layer's part before its MoE block (or before its exchange:
+        ``RoutedSegment``) as ``segs``."""
         h = stack.embed_tokens(ids)
         cos, sin = stack.rotary_emb(h, positions)
         for layer, segment in zip(layers, segs):
-            h, normed = segment(h, cos, sin)
-            moe = layer.mlp(normed)
+            outputs = segment(h, cos, sin)
+            if len(outputs) == 2:
+                h, normed = outputs
+                moe = layer.mlp(normed)
+            else:
+                h, normed, probs, top_w, top_i, order, token_of_copy, copy_row, counts, routed = outputs
+                r = Route(order, token_of_copy, copy_row, counts)
+                out = layer.mlp.experts.exchange_and_combine(r, routed, top_w, normed.dtype)
+                moe = layer.mlp.after_experts(normed, probs, top_w, top_i, out)
             h = h + (moe[0] if isinstance(moe, tuple) else moe)
         return stack.norm(h)
 
@@ -166,39 +196,42 @@ def main():
               "forward_gpu_ms": round(1e3 * statistics.median(gpus), 2) if gpus else None,
               "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None})
 
-    with torch.no_grad():  # the probe's stack is the model's: the same output as its own forward
+    routed_segments = [RoutedSegment(layer) for layer in layers]
+    with torch.no_grad():  # the probe's stacks are the model's: the same output as its own forward
         ids = tokens(7)
         own = stack(input_ids=ids).last_hidden_state
         keep({"way": "stack_vs_model", "output_max_abs_diff": (forward(segments, ids) - own).abs().max().item()})
+        keep({"way": "routed_stack_vs_model", "output_max_abs_diff": (forward(routed_segments, ids) - own).abs().max().item()})
     probe_grad = segments[0].self_attn.o_proj.weight
     reference = micro_step(segments, tokens(7))
     reference_grad = probe_grad.grad.detach().clone()
     model.zero_grad(set_to_none=True)
     timed("eager", segments)
-    if not cuda:
-        keep({"way": "graphed", "skipped": "make_graphed_callables needs CUDA"})
-    else:
+    for way, segs in (("graphed", segments), ("graphed_routed", routed_segments)):
+        if not cuda:
+            keep({"way": way, "skipped": "make_graphed_callables needs CUDA"})
+            continue
         h = torch.randn(1, seq, hidden, device=device, dtype=dtype)
         cos, sin = stack.rotary_emb(h, positions)
-        samples = tuple((h.clone().requires_grad_(), cos.clone(), sin.clone()) for _ in segments)
+        samples = tuple((h.clone().requires_grad_(), cos.clone(), sin.clone()) for _ in segs)
         try:
-            graphed = torch.cuda.make_graphed_callables(tuple(segments), samples)
+            graphed = torch.cuda.make_graphed_callables(tuple(segs), samples)
         except Exception as e:  # a probe reports why it could not capture, and keeps the eager record
-            keep({"way": "graphed", "error": f"{type(e).__name__}: {str(e)[:400]}"})
-            graphed = None
-        if graphed is not None:
-            model.zero_grad(set_to_none=True)
-            out = micro_step(graphed, tokens(7))
-            keep({"way": "graphed_vs_eager", "output_max_abs_diff": (out.float() - reference.float()).abs().max().item(),
-                  "grad_max_abs_diff": (probe_grad.grad.float() - reference_grad.float()).abs().max().item()})
-            model.zero_grad(set_to_none=True)
-            timed("graphed", graphed)
+            keep({"way": way, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            continue
+        model.zero_grad(set_to_none=True)
+        out = micro_step(graphed, tokens(7))
+        keep({"way": f"{way}_vs_eager", "output_max_abs_diff": (out.float() - reference.float()).abs().max().item(),
+              "grad_max_abs_diff": (probe_grad.grad.float() - reference_grad.float()).abs().max().item()})
+        model.zero_grad(set_to_none=True)
+        timed(way, graphed)
     if rank == 0:
         ways = {r["way"]: r for r in records if "micro_step_ms" in r}
-        if {"eager", "graphed"} <= ways.keys():
-            print(f"graphed segments: micro-step {ways['graphed']['micro_step_ms']} ms against {ways['eager']['micro_step_ms']} "
-                  f"ms eager; forward host per layer {ways['graphed']['forward_host_ms_per_layer']} against "
-                  f"{ways['eager']['forward_host_ms_per_layer']} ms", flush=True)
+        for way in ("graphed", "graphed_routed"):
+            if {"eager", way} <= ways.keys():
+                print(f"{way} segments: micro-step {ways[way]['micro_step_ms']} ms against {ways['eager']['micro_step_ms']} "
+                      f"ms eager; forward host per layer {ways[way]['forward_host_ms_per_layer']} against "
+                      f"{ways['eager']['forward_host_ms_per_layer']} ms", flush=True)
     dist.destroy_process_group()
 
 
