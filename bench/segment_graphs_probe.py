@@ -15,9 +15,10 @@ and backward. Three ways, the same code but for the segments:
   eager    every segment launched from Python (today's forward, bar FSDP)
   graphed  each layer's segment through ``torch.cuda.make_graphed_callables`` (forward and backward graphs): what
            ``cuda_graphs segments`` does in training (train/segment_graphs.py)
-  graphed_routed  the segment and the MoE block's part before its count read (router, route, dispatch:
-           ``ExpertParallelExperts.dispatched``) in one graph each way, the rest eager (``exchange_and_combine``): what
-           extending the segments that far would buy (the MoE block's launches pace the forward after them)
+  graphed_routed  the segment and the MoE block's part before its count read (router, route, dispatch: the functions
+           of moe/dispatch.py the layer calls) in one graph each way, the rest eager (``exchange`` and ``combine``, as
+           the layer's exact exchange with its tokens whole): what extending the segments that far would buy (the MoE
+           block's launches pace the forward after them). Blocks without a shared expert only.
 One JSON record per way (rank 0 appends it to --out): ms per micro-step (wall, median of --iters), the forward's host
 ms per layer, the forward's GPU ms (CUDA events); one of the probe's stack against the model's own forward, and one of
 the graphed micro-step against the eager one (max abs difference of the stack's output and of a dense gradient).
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megablocks_utils.model.architectures import decoder_layers  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.build import load_model  # noqa: E402
-from megablocks_utils.moe.dispatch import Route  # noqa: E402
+from megablocks_utils.moe.dispatch import Route, combine, dispatch, exchange, route  # noqa: E402
 from megablocks_utils.parallel.parallelize import parallelize  # noqa: E402
 
 
@@ -62,9 +63,10 @@ class DenseSegment(nn.Module):
 
 
 class RoutedSegment(DenseSegment):
-    """``DenseSegment`` and the MoE block up to its exchange: (residual stream, MLP input, router probabilities, top-k
-    weights, top-k experts, the route's four tensors, the routed rows). The router is a child (its weight a graph input),
-    the experts are not (the rows' exchange and the experts run eagerly)."""
+    """``DenseSegment`` and the MoE block up to its exchange: (residual stream, router probabilities, top-k weights, the
+    route's four tensors, the routed rows), as ``ExpertParallelExperts.route_and_compute`` computes them for the exact
+    exchange with its tokens whole. The router is a child (its weight a graph input), the experts are not (the rows'
+    exchange and the experts run eagerly: ``rest``)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
@@ -73,9 +75,19 @@ class RoutedSegment(DenseSegment):
 
     def forward(self, h, cos, sin):
         h, normed = super().forward(h, cos, sin)
-        probs, top_w, top_i = self.router(normed.reshape(-1, normed.shape[-1]))
-        r, routed = self._experts[0].dispatched(normed.reshape(-1, normed.shape[-1]), top_i)
-        return h, normed, probs, top_w, top_i, *r, routed
+        x = normed.reshape(-1, normed.shape[-1])
+        probs, top_w, top_i = self.router(x)
+        experts = self._experts[0]
+        r = route(top_i, experts.num_experts)
+        return h, probs, top_w, *r, dispatch(x, r, top_i.shape[1], experts.fuse_elementwise(x))
+
+    def rest(self, outputs, shape) -> torch.Tensor:
+        """The MoE block's output from ``forward``'s outputs, as the layer's exact exchange computes it."""
+        h, probs, top_w, order, token_of_copy, copy_row, counts, routed = outputs
+        experts = self._experts[0]
+        r = Route(order, token_of_copy, copy_row, counts)
+        out = exchange([routed], [counts], experts.ep_size, experts.num_local_experts, experts._ep_group(), experts.compute)[0]
+        return combine(out, r, top_w, routed.dtype, experts.fuse_elementwise(routed)).reshape(shape)
 
 
 def parse_args():
@@ -151,10 +163,8 @@ def main():
                 h, normed = outputs
                 moe = layer.mlp(normed)
             else:
-                h, normed, probs, top_w, top_i, order, token_of_copy, copy_row, counts, routed = outputs
-                r = Route(order, token_of_copy, copy_row, counts)
-                out = layer.mlp.experts.exchange_and_combine(r, routed, top_w, normed.dtype)
-                moe = layer.mlp.after_experts(normed, probs, top_w, top_i, out)
+                moe = segment.rest(outputs, h.shape)  # RoutedSegment: the block keeps the layer input's shape
+                h = outputs[0]
             h = h + (moe[0] if isinstance(moe, tuple) else moe)
         return stack.norm(h)
 
@@ -196,18 +206,25 @@ def main():
               "forward_gpu_ms": round(1e3 * statistics.median(gpus), 2) if gpus else None,
               "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None})
 
-    routed_segments = [RoutedSegment(layer) for layer in layers]
+    # The routed way where every MoE block is the native one with the exact exchange and no shared expert.
+    routable = all(getattr(layer.mlp, "shared_expert_attr", "") is None and type(layer.mlp.experts).__name__ == "ExpertParallelExperts"
+                   and layer.mlp.experts.exchange_mode is None and layer.mlp.experts.overlap_chunks == 1 for layer in layers)
+    routed_segments = [RoutedSegment(layer) for layer in layers] if routable and world > 1 else None
     with torch.no_grad():  # the probe's stacks are the model's: the same output as its own forward
         ids = tokens(7)
         own = stack(input_ids=ids).last_hidden_state
         keep({"way": "stack_vs_model", "output_max_abs_diff": (forward(segments, ids) - own).abs().max().item()})
-        keep({"way": "routed_stack_vs_model", "output_max_abs_diff": (forward(routed_segments, ids) - own).abs().max().item()})
+        if routed_segments is not None:
+            keep({"way": "routed_stack_vs_model", "output_max_abs_diff": (forward(routed_segments, ids) - own).abs().max().item()})
     probe_grad = segments[0].self_attn.o_proj.weight
     reference = micro_step(segments, tokens(7))
     reference_grad = probe_grad.grad.detach().clone()
     model.zero_grad(set_to_none=True)
     timed("eager", segments)
     for way, segs in (("graphed", segments), ("graphed_routed", routed_segments)):
+        if segs is None:
+            keep({"way": way, "skipped": "a shared expert, the megablocks backend, the static exchange, chunks or ep 1"})
+            continue
         if not cuda:
             keep({"way": way, "skipped": "make_graphed_callables needs CUDA"})
             continue

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from megablocks_utils.moe.dispatch import Route, combine, dispatch, exchange, route
+from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
 from megablocks_utils.moe.expert_weights import ExpertWeights
 from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.router import TopKRouter
@@ -136,10 +136,6 @@ class ExpertParallelExperts(ExpertWeights):
         ep = self.ep_size
         fuse = self.fuse_elementwise(x)
         pieces = 1 if ep == 1 else max(1, min(self.overlap_chunks, num_tokens))
-        mode = self.exchange_mode
-        if pieces == 1 and ep > 1 and (mode is None or mode.exact):  # the exact exchange, tokens whole: in two parts
-            r, routed = self.dispatched(x, top_i)
-            return self.exchange_and_combine(r, routed, top_w, x.dtype)
         if pieces == 1:  # x whole: a slice's backward would allocate and fill a zero gradient of all of x
             parts = [(x, top_i, top_w)]
         else:
@@ -147,6 +143,7 @@ class ExpertParallelExperts(ExpertWeights):
             parts = [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in zip(edges[:-1], edges[1:])]
         routes = [route(part_i, self.num_experts) for _, part_i, _ in parts]
         routed = [dispatch(part_x, r, k, fuse) for (part_x, _, _), r in zip(parts, routes)]
+        mode = self.exchange_mode
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
             outs = [self.compute(routed[0], routes[0].counts)]
         elif mode is not None and pieces == 1 and not mode.exact:  # fixed blocks, no host sync; the mode checks overflow
@@ -159,19 +156,6 @@ class ExpertParallelExperts(ExpertWeights):
             outs = exchange(routed, [r.counts for r in routes], ep, self.num_local_experts, self._ep_group(), self.compute)
         combined = [combine(out, r, part_w, x.dtype, fuse) for out, r, (_, _, part_w) in zip(outs, routes, parts)]
         return combined[0] if pieces == 1 else torch.cat(combined)
-
-    def dispatched(self, x: torch.Tensor, top_i: torch.Tensor) -> tuple[Route, torch.Tensor]:
-        """The exact exchange's inputs, tokens whole: ``top_i``'s route and each token's k copies of ``x`` in expert order.
-        Fixed shapes and no host sync: all of the forward before the exchange's count read (bench/segment_graphs_probe.py
-        captures it in a CUDA graph with the dense segment before it)."""
-        r = route(top_i, self.num_experts)
-        return r, dispatch(x, r, top_i.shape[1], self.fuse_elementwise(x))
-
-    def exchange_and_combine(self, r: Route, routed: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The rest after ``dispatched`` (ep > 1): the rows to their experts and back (its one host sync), weighted and
-        summed per token."""
-        out = exchange([routed], [r.counts], self.ep_size, self.num_local_experts, self._ep_group(), self.compute)[0]
-        return combine(out, r, top_w, dtype, self.fuse_elementwise(routed))
 
 
 class ExpertParallelMoE(nn.Module):
@@ -231,18 +215,12 @@ class ExpertParallelMoE(nn.Module):
             setattr(self, gate_attr, gate)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        probs, top_w, top_i = self.top_k_router(x)
-        return self.after_experts(hidden_states, probs, top_w, top_i, self.experts(x, top_i, top_w))
-
-    def after_experts(self, hidden_states: torch.Tensor, probs: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
-        """The block's output from its routed experts' ``out`` [T, H]: the router's choice recorded (aux loss), the shared
-        expert added, the shape of ``hidden_states`` (and gpt-oss's router scores)."""
         shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        probs, top_w, top_i = self.top_k_router(x)
         if self.record_router:
             self.router_probs, self.router_choices = probs, top_i
-        x = hidden_states.reshape(-1, shape[-1])
+        out = self.experts(x, top_i, top_w)
         if self.shared_expert_attr is not None:
             shared = getattr(self, self.shared_expert_attr)(x)
             if self.shared_gate_attr is not None:
