@@ -522,14 +522,10 @@ for step in range(start_step, total_steps):
                   "continue with --resume auto", flush=True)
         if graphs is not None:
             graphs.release()
-        if segments is not None:
-            segments.release()
         exit_stopped()
 runtime = time.perf_counter() - run_start
 if graphs is not None:  # before export's collectives and the process group's end (MicroStepGraphs.release)
     graphs.release()
-if segments is not None:  # their static activations freed before the export gathers the experts
-    segments.release()
 
 # ----------------------------------------------------------------------------- summary and export
 # Persistent bytes per parameter: weights + gradients (same dtype) + optimizer state, this rank's shards summed over ranks.
