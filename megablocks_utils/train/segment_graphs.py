@@ -166,7 +166,8 @@ class SegmentGraphs:
     """Each decoder layer's dense segment through CUDA graphs once ``live`` (see the module's docstring).
 
     The script sets ``live`` after its warm-up steps, calls ``zero_grads`` after each optimizer step (instead of
-    setting gradients to None) and ``release`` at the end. ``announce`` (rank 0's print) hears each capture."""
+    setting gradients to None); ``release`` frees the graphs (the script does not call it yet: its GPU runs exported with
+    them alive). ``announce`` (rank 0's print) hears each capture."""
 
     def __init__(self, model: nn.Module, announce=None):
         self.model, self.announce = model, announce
