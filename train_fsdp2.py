@@ -147,7 +147,8 @@ try:
                                    dtype=torch.bfloat16)[0] if torch.cuda.is_available() else None,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts, lora=bool(lora),
         dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
-        weights=param_dtype(optim) if torch.cuda.is_available() else torch.float32, fsdp_wrap=fsdp_wrap))[0]
+        weights=param_dtype(optim) if torch.cuda.is_available() else torch.float32, fsdp_wrap=fsdp_wrap),
+        single_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) >= int(os.environ.get("WORLD_SIZE", 1)))[0]
     if "RANK" not in os.environ:
         raise InputError("launch with torchrun, e.g. `torchrun --nproc_per_node=2 train_fsdp2.py`")
     ep = check_ep_size(ep_size, int(os.environ["WORLD_SIZE"]), num_experts, experts_name)
@@ -348,7 +349,8 @@ try:  # or each layer's dense segment (megablocks_utils/train/segment_graphs.py)
     use_segments, segments_note = resolve_segment_graphs(cuda_graphs, segment_blocker(
         device_type=device.type, world_size=world_size, ep_size=mesh.ep_size, moe_backend=moe_backend, attention=attention,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts, lora=bool(lora),
-        dtype=compute_dtype, weights=param_dtype(optim), fsdp_wrap=fsdp_wrap, model=model))
+        dtype=compute_dtype, weights=param_dtype(optim), fsdp_wrap=fsdp_wrap, model=model),
+        single_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) >= world_size)
 except InputError as e:
     fail(e)
 if master:

@@ -106,6 +106,8 @@ def test_the_setting_segments_is_on_or_refused_and_auto_follows_the_switch(monke
     monkeypatch.setattr(segment_graphs, "SEGMENTS_IN_AUTO", True)
     assert resolve_segment_graphs("auto", None)[0] is True
     assert resolve_segment_graphs("auto", "one GPU: ...") == (False, "")
+    assert resolve_segment_graphs("auto", None, single_node=False) == (False, "")  # measured on one node only
+    assert resolve_segment_graphs("segments", None, single_node=False)[0] is True  # as asked
     monkeypatch.setattr(segment_graphs, "SEGMENTS_IN_AUTO", False)
     assert resolve_segment_graphs("auto", None) == (False, "")
 

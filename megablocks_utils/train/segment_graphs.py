@@ -45,7 +45,7 @@ from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
 SEGMENT_LAYERS = frozenset({"MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "DeepseekV2DecoderLayer",
                             "DeepseekV3DecoderLayer", "GptOssDecoderLayer", "OlmoeDecoderLayer", "Glm4MoeDecoderLayer"})
 SEGMENT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm")
-# Whether cuda_graphs "auto" takes the segments at ep = world size > 1 (where they can run): on since 4 x H200 measured
+# Whether cuda_graphs "auto" takes the segments at ep = world size > 1 on one node (where they can run): on since 4 x H200 measured
 # them ahead of FSDP's whole-model unit (BENCHMARKS.md, "Several GPUs").
 SEGMENTS_IN_AUTO = True
 # Signatures with graphs of their own (each holds every layer's segment activations); a micro-step of one more runs eagerly.
@@ -86,16 +86,17 @@ def segment_blocker(*, device_type: str, world_size: int, ep_size: int, moe_back
     return None
 
 
-def resolve_segment_graphs(setting, blocker: str | None) -> tuple[bool, str]:
+def resolve_segment_graphs(setting, blocker: str | None, single_node: bool = True) -> tuple[bool, str]:
     """(on, the line the script prints) for the ``cuda_graphs`` setting: "segments" where the segments cannot run raises
-    InputError saying why; "auto" takes them where ``SEGMENTS_IN_AUTO`` and nothing blocks them; else off ("")."""
+    InputError saying why; "auto" takes them where ``SEGMENTS_IN_AUTO``, nothing blocks them and the ranks are on one node
+    (where they were measured: across nodes the replicated dense weights' all-reduce crosses the network); else off ("")."""
     setting = str(setting).lower()
     if setting == "segments":
         if blocker is not None:
             raise InputError(f"cuda_graphs segments: {blocker}; run with --cuda_graphs auto or false")
         return True, ("cuda_graphs segments: each decoder layer's norms and attention replayed from CUDA graphs after the "
                       "warm-up steps, its MoE block launched from Python")
-    if setting == "auto" and SEGMENTS_IN_AUTO and blocker is None:
+    if setting == "auto" and SEGMENTS_IN_AUTO and blocker is None and single_node:
         return True, ("cuda_graphs auto: segments (ep = world size: each decoder layer's norms and attention replayed from "
                       "CUDA graphs after the warm-up steps, its MoE block launched from Python)")
     return False, ""
