@@ -335,7 +335,9 @@ def main() -> None:
     p.add_argument("--host_profile", action="store_true", help="--phases: cProfile the last measured step's host time")
     p.add_argument("--cuda_graphs", default="false",
                    help="train_fsdp2.py's cuda_graphs (default false: replayed graphs hide which operator launched a kernel, so "
-                        "the parts table and --phases need the micro-steps launched from Python; auto: the default run's GPU timeline)")
+                        "the parts table and --phases need the micro-steps launched from Python; auto: the default run's GPU timeline; "
+                        "at ep = world size false also turns off the default's segment graphs and gives FSDP's whole-model unit: "
+                        "segments profiles today's default there)")
     p.add_argument("--ep", type=int, default=1, help="GPUs, ep_size = N (each rank profiles itself; one record per rank)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args, script_args = p.parse_known_args()
