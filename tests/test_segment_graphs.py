@@ -138,3 +138,55 @@ def _check_overlapped_average(rank, world):
 
 def test_replicated_gradients_are_averaged_by_the_last_backward():
     run_ranks(_check_overlapped_average, 2)
+
+
+def test_live_segments_capture_once_per_signature_and_replay_the_layer(monkeypatch):
+    """The graphed path's logic on CPU, with make_graphed_callables replaced by a stand-in that returns the segment modules
+    themselves (the callables it would capture): the first live micro-step captures every layer's segment once, with
+    samples shaped as the call's arguments; the segments, called with the arguments rebuilt from their tensors, give
+    transformers' loss and gradients bit for bit; a micro-step of the same shape captures nothing, a new shape captures
+    again, past MAX_SIGNATURES shapes micro-steps run eagerly with one note; no gradients, or eval mode, never capture."""
+    captured = []
+
+    def stand_in(callables, samples):
+        captured.append([tuple(t.shape) for t in samples[0]])
+        assert len(callables) == len(samples)
+        assert all(s[0].requires_grad for s in samples)  # h; the rest (cos, sin, position ids) as given
+        return callables
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+    monkeypatch.setattr(segment_graphs, "MAX_SIGNATURES", 2)
+    model = _model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    notes = []
+    segments = SegmentGraphs(model, announce=notes.append)
+    segments.live = True
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def step(m, rows):  # as the scripts' batches call the model: no cache (data.batches.collate)
+        out = m(input_ids=rows, labels=rows, use_cache=False)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    loss, grads = step(reference, ids)
+    seg_loss, seg_grads = step(model, ids)
+    assert len(captured) == 1 and captured[0][0] == (2, 12, 64), captured  # h: rows, tokens, hidden
+    assert torch.equal(loss, seg_loss)
+    for name in grads:
+        assert torch.equal(grads[name], seg_grads[name]), name
+    step(model, ids)
+    assert len(captured) == 1  # the same signature: replayed
+    for length in (10, 8, 6):
+        step(model, ids[:, :length])
+    assert len(captured) == 2 and len(notes) == 3, (captured, notes)  # 12 and 10 captured, then the cap
+    assert "more than 2 input shapes" in notes[-1]
+    monkeypatch.setattr(segment_graphs, "MAX_SIGNATURES", 9)
+    with torch.no_grad():
+        model(input_ids=ids[:, :4], use_cache=False)
+    model.eval()
+    step(model, ids[:, :5])
+    assert len(captured) == 2
+    # A cache (transformers' default outside the scripts) cannot be part of a signature: eager, no capture
+    model.train()
+    model(input_ids=ids[:, :7], labels=ids[:, :7]).loss.backward()
+    assert len(captured) == 2
