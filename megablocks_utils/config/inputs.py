@@ -37,7 +37,12 @@ def _rank() -> int:
 
 
 def fail(message) -> None:
-    """Stop this rank with exit code 2; rank 0 prints ``error: <message>`` (every rank calls it alike)."""
+    """Stop this rank with exit code 2; rank 0 prints ``error: <message>`` (every rank calls it alike).
+
+    It leaves with ``os._exit`` once stdout and stderr are flushed, without the interpreter's teardown, as a SIGTERM stop
+    does (``train/stop_signal.exit_stopped``): that teardown raced a C++ background thread and aborted a rank with -6
+    ("terminate called without an active exception") after a clean bad-input stop (tests/test_bad_input.py, an expert
+    only rank 1 reads broken, 2026-11-27): an input error reported as a crash."""
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
@@ -45,7 +50,9 @@ def fail(message) -> None:
         time.sleep(_OTHER_RANKS_EXIT_DELAY_S)
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 _OTHER_RANKS_EXIT_DELAY_S = 5.0  # covers a rank 0 that reached the same check a little later
