@@ -173,6 +173,19 @@ def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fi
     assert resolve("model", plan, 11 * GiB, world_size=4, ep=2) == "model"  # as asked (the fit check then says)
 
 
+def test_fsdp_wrap_auto_is_none_where_segment_graphs_are_planned_and_it_fits():
+    """cuda_graphs segments need the dense weights whole on every rank: auto gives "none" there, within the same 90%."""
+    sizes = {"layer": 10 * GiB, "model": 12 * GiB, "none": 13 * GiB}
+    plan = lambda wrap: type("E", (), {"total": sizes[wrap]})()  # noqa: E731
+    resolve = memory_plan.resolve_fsdp_wrap
+    assert resolve("auto", plan, 16 * GiB, world_size=2, ep=2, replicated=True) == "none"
+    assert resolve("auto", plan, 0, world_size=2, ep=2, replicated=True) == "none"  # on CPU: nothing to fit into
+    assert resolve("auto", plan, 14 * GiB, world_size=2, ep=2, replicated=True) == "model"  # none past 90%, model within
+    assert resolve("auto", plan, 16 * GiB, world_size=2, ep=2) == "model"  # not planned: as before
+    assert resolve("auto", plan, 16 * GiB, world_size=4, ep=2, replicated=True) == "layer"  # dp 2: segments never planned there
+    assert resolve("layer", plan, 16 * GiB, world_size=2, ep=2, replicated=True) == "layer"  # as asked
+
+
 def test_fsdp_wrap_settings_are_auto_and_the_units_parallelize_builds():
     from megablocks_utils.parallel.parallelize import FSDP_WRAPS
 

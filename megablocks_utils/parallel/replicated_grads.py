@@ -43,7 +43,9 @@ class ReplicatedGradSync:
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
         self._reset()
-        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params] if self.world_size > 1 else []
+        if self.world_size > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._ready)
 
     def _reset(self) -> None:
         self.waiting = [len(bucket) for bucket in self.buckets]
@@ -88,8 +90,3 @@ class ReplicatedGradSync:
                 g.copy_(part.view_as(g))
         self.armed = False
         self._reset()
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []

@@ -167,8 +167,8 @@ class SegmentGraphs:
     """Each decoder layer's dense segment through CUDA graphs once ``live`` (see the module's docstring).
 
     The script sets ``live`` after its warm-up steps, calls ``zero_grads`` after each optimizer step (instead of
-    setting gradients to None); ``release`` frees the graphs (the script does not call it yet: its GPU runs exported with
-    them alive). ``announce`` (rank 0's print) hears each capture."""
+    setting gradients to None). The graphs live as long as the model (its GPU runs exported with them alive).
+    ``announce`` (rank 0's print) hears each capture."""
 
     def __init__(self, model: nn.Module, announce=None):
         self.model, self.announce = model, announce
@@ -238,10 +238,3 @@ class SegmentGraphs:
                 p.grad = None
         if kept:
             zero_grads(self.params)
-
-    def release(self) -> None:
-        """Free every captured graph (their static activations) once training is done; the layers run eagerly after."""
-        self.live = False
-        if self.graphs:
-            torch.cuda.synchronize()
-        self.graphs.clear()
