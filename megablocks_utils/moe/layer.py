@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
+from megablocks_utils.moe.dispatch import Route, combine, dispatch, exchange, route
 from megablocks_utils.moe.expert_weights import ExpertWeights
 from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.router import TopKRouter
@@ -126,36 +126,55 @@ class ExpertParallelExperts(ExpertWeights):
         return self.route_and_compute(x, top_i, top_w)
 
     def route_and_compute(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
-        """The forward's work: each token's k copies to their experts and back, weighted and summed.
+        """The forward's work: each token's k copies to their experts and back, weighted and summed (``send``, then
+        ``receive``).
 
         With ``overlap_chunks`` = C > 1 (and ep > 1) the tokens go through in C consecutive chunks whose
         collectives are issued so that one chunk's all-to-all can run while another's experts compute (every
         dispatch first, then each chunk's experts and its return trip): the same result, one host sync.
         """
-        num_tokens, k = top_i.shape
-        ep = self.ep_size
-        fuse = self.fuse_elementwise(x)
-        pieces = 1 if ep == 1 else max(1, min(self.overlap_chunks, num_tokens))
+        num_tokens = top_i.shape[0]
+        pieces = 1 if self.ep_size == 1 else max(1, min(self.overlap_chunks, num_tokens))
         if pieces == 1:  # x whole: a slice's backward would allocate and fill a zero gradient of all of x
-            parts = [(x, top_i, top_w)]
-        else:
-            edges = [num_tokens * i // pieces for i in range(pieces + 1)]
-            parts = [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in zip(edges[:-1], edges[1:])]
-        routes = [route(part_i, self.num_experts) for _, part_i, _ in parts]
-        routed = [dispatch(part_x, r, k, fuse) for (part_x, _, _), r in zip(parts, routes)]
+            return self.receive(*self.send(x, top_i), top_w, x.dtype)
+        edges = [num_tokens * i // pieces for i in range(pieces + 1)]
+        parts = [(x[a:b], top_i[a:b], top_w[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+        sent = [self.send(part_x, part_i) for part_x, part_i, _ in parts]
+        routes = [r for r, _ in sent]
+        outs = exchange([rows for _, rows in sent], [r.counts for r in routes], self.ep_size, self.num_local_experts,
+                        self._ep_group(), self.compute)
+        fuse = self.fuse_elementwise(x)
+        return torch.cat([combine(out, r, part_w, x.dtype, fuse) for out, r, (_, _, part_w) in zip(outs, routes, parts)])
+
+    @property
+    def sends_whole(self) -> bool:
+        """Whether the forward is ``send`` then ``receive`` on all tokens at once (one chunk, no recomputation): what
+        lets ``cuda_graphs segments`` put ``send`` in the graph before the exchange (train/segment_graphs.py)."""
+        return (self.ep_size == 1 or self.overlap_chunks == 1) and not self.recompute
+
+    def send(self, x: torch.Tensor, top_i: torch.Tensor) -> tuple[Route, torch.Tensor]:
+        """The part before the exchange, with no host sync: the route (``route``) and each token's k copies in expert
+        order (``dispatch``)."""
+        r = route(top_i, self.num_experts)
+        return r, dispatch(x, r, top_i.shape[1], self.fuse_elementwise(x))
+
+    def receive(self, r: Route, routed: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rest, from ``send``'s outputs (all tokens, one chunk): the copies to the ep ranks owning their experts and
+        back (ep > 1: the exact exchange, or fixed blocks under ``exchange_mode``), weighted by ``top_w`` and summed
+        into one row per token, in ``dtype``."""
+        num_tokens, k = top_w.shape
+        ep = self.ep_size
         mode = self.exchange_mode
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
-            outs = [self.compute(routed[0], routes[0].counts)]
-        elif mode is not None and pieces == 1 and not mode.exact:  # fixed blocks, no host sync; the mode checks overflow
+            out = self.compute(routed, r.counts)
+        elif mode is not None and not mode.exact:  # fixed blocks, no host sync; the mode checks overflow
             capacity = static_capacity(num_tokens, k, ep, mode.capacity_factor)
-            out, overflow = static_exchange(routed[0], routes[0].counts, ep, self.num_local_experts, self._ep_group(),
+            out, overflow = static_exchange(routed, r.counts, ep, self.num_local_experts, self._ep_group(),
                                             self.compute_valid_rows, capacity)
             mode.flags.append(overflow)
-            outs = [out]
         else:
-            outs = exchange(routed, [r.counts for r in routes], ep, self.num_local_experts, self._ep_group(), self.compute)
-        combined = [combine(out, r, part_w, x.dtype, fuse) for out, r, (_, _, part_w) in zip(outs, routes, parts)]
-        return combined[0] if pieces == 1 else torch.cat(combined)
+            out = exchange([routed], [r.counts], ep, self.num_local_experts, self._ep_group(), self.compute)[0]
+        return combine(out, r, top_w, dtype, self.fuse_elementwise(routed))
 
 
 class ExpertParallelMoE(nn.Module):
@@ -222,10 +241,38 @@ class ExpertParallelMoE(nn.Module):
             self.router_probs, self.router_choices = probs, top_i
         out = self.experts(x, top_i, top_w)
         if self.shared_expert_attr is not None:
-            shared = getattr(self, self.shared_expert_attr)(x)
-            if self.shared_gate_attr is not None:
-                shared = torch.sigmoid(getattr(self, self.shared_gate_attr)(x)) * shared
-            out = out + shared
+            out = out + self._shared(x)
+        return self._output(out, shape, top_w)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        shared = getattr(self, self.shared_expert_attr)(x)
+        if self.shared_gate_attr is not None:
+            shared = torch.sigmoid(getattr(self, self.shared_gate_attr)(x)) * shared
+        return shared
+
+    def _output(self, out: torch.Tensor, shape: torch.Size, top_w: torch.Tensor):
         if self.returns_scores:
             return out.reshape(shape), top_w
         return out.reshape(shape)
+
+    # ``forward`` in two halves, for ``cuda_graphs segments`` (train/segment_graphs.py), which replays the first from a
+    # CUDA graph: ``before_exchange`` has fixed shapes and no host sync, ``after_exchange`` holds the exchange's sync.
+    # The same operators as ``forward`` on the same inputs, where ``experts.sends_whole`` (else use ``forward``).
+
+    def before_exchange(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, H] -> (router probabilities, top-k weights, top-k experts, the route's four tensors, the routed rows,
+        and the shared expert's output where the block has one): tensors only, a graph's outputs."""
+        probs, top_w, top_i = self.top_k_router(x)
+        r, routed = self.experts.send(x, top_i)
+        shared = (self._shared(x),) if self.shared_expert_attr is not None else ()
+        return (probs, top_w, top_i, *r, routed, *shared)
+
+    def after_exchange(self, shape: torch.Size, parts: tuple[torch.Tensor, ...]):
+        """The block's output (as ``forward`` returns it, of ``shape``) from ``before_exchange``'s outputs."""
+        probs, top_w, top_i, order, token_of_copy, copy_row, counts, routed, *shared = parts
+        if self.record_router:
+            self.router_probs, self.router_choices = probs, top_i
+        out = self.experts.receive(Route(order, token_of_copy, copy_row, counts), routed, top_w, routed.dtype)
+        if shared:
+            out = out + shared[0]
+        return self._output(out, shape, top_w)

@@ -7,8 +7,12 @@ of launches per layer at Qwen3-30B-A3B's shape on 4 x H200 against ~2.3 ms of GP
 ep_levers_h200_2026-11-27e.md). Whole micro-steps cannot be graphs there (the exact exchange's splits are host numbers;
 the static exchange that would allow it overflowed or padded too much). The part of each layer before its MoE block (input norm,
 attention, residual, post-attention norm) has fixed shapes and no sync: one graph each way, through
-``torch.cuda.make_graphed_callables`` (forward and backward graphs as one autograd node). Measured by
-bench/segment_graphs_probe.py on 4 x H200: a micro-step of the 12-layer stack 118 ms against 163 ms eager at ep 4.
+``torch.cuda.make_graphed_callables`` (forward and backward graphs as one autograd node). So has the native MoE
+block's part before its exchange (router, route, dispatch, shared expert: ``ExpertParallelMoE.before_exchange``), which
+joins the graph where the block sends all tokens at once (``routes_in_graph``); the exchange, the experts and the
+combine stay eager (``after_exchange``). Measured by bench/segment_graphs_probe.py, a micro-step of the 12-layer stack
+at ep 4: 118 ms against 163 ms eager (4 x H200, dense segments); 140 ms dense segments, 126 ms with the routing, 166 ms
+eager (4 x H100).
 
 How: each decoder layer's ``forward`` (on the instance, as make_graphed_callables itself replaces a module's forward)
 becomes ``segment -> mlp -> residual``, which the layers of ``SEGMENT_LAYERS`` (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
@@ -37,6 +41,7 @@ from torch import nn
 
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import decoder_layers
+from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
 from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
 
 # transformers' decoder layers whose forward is exactly ``_dense_segment`` -> mlp -> residual: pre-norm attention with a
@@ -44,7 +49,6 @@ from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
 # layers scale their residuals and are not among them.
 SEGMENT_LAYERS = frozenset({"MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "DeepseekV2DecoderLayer",
                             "DeepseekV3DecoderLayer", "GptOssDecoderLayer", "OlmoeDecoderLayer", "Glm4MoeDecoderLayer"})
-SEGMENT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm")
 # Whether cuda_graphs "auto" takes the segments at ep = world size > 1 on one node (where they can run): on since 4 x H200 measured
 # them ahead of FSDP's whole-model unit (BENCHMARKS.md, "Several GPUs").
 SEGMENTS_IN_AUTO = True
@@ -102,21 +106,39 @@ def resolve_segment_graphs(setting, blocker: str | None, single_node: bool = Tru
     return False, ""
 
 
-class _Segment(nn.Module):
-    """One layer's part before its MoE block: ``h -> (h + attention(norm(h)), post_norm(h + ...))``. The layer's three
-    modules are its children (their parameters are the graph's weights); it is not part of the model's tree, so the
-    model's parameter names do not change. ``args``: how the attention's arguments are rebuilt from the tensors given
-    after ``h`` and the ``fixed`` rest (``_Arguments``)."""
+def routes_in_graph(layer: nn.Module) -> bool:
+    """Whether the layer's MoE block can have its part before the exchange in the segment's graph: the native block
+    (``ExpertParallelMoE`` with the native experts) sending all tokens at once (``sends_whole``)."""
+    mlp = getattr(layer, "mlp", None)
+    return isinstance(mlp, ExpertParallelMoE) and type(mlp.experts) is ExpertParallelExperts and mlp.experts.sends_whole
 
-    def __init__(self, layer: nn.Module, args: "_Arguments"):
+
+class _Segment(nn.Module):
+    """One layer's part before its MoE block: ``h -> (h + attention(norm(h)), post_norm(h + ...))``, and with
+    ``routed`` the block's part before its exchange on that (``ExpertParallelMoE.before_exchange``: router, route,
+    dispatch, shared expert). The modules used are its children (their parameters are the graph's weights; the
+    experts are not among them: their weights are used after the exchange, eagerly); it is not part of the model's
+    tree, so the model's parameter names do not change. ``args``: how the attention's arguments are rebuilt from the
+    tensors given after ``h`` and the ``fixed`` rest (``_Arguments``)."""
+
+    def __init__(self, layer: nn.Module, args: "_Arguments", routed: bool):
         super().__init__()
         self.input_layernorm = layer.input_layernorm
         self.self_attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.args = args
+        self.block = (layer.mlp,) if routed else None  # in a tuple: not a child
+        if routed:
+            self.router = layer.mlp.top_k_router
+            for attr in (layer.mlp.shared_expert_attr, layer.mlp.shared_gate_attr):
+                if attr is not None:
+                    self.add_module(attr, getattr(layer.mlp, attr))
 
     def forward(self, h: torch.Tensor, *tensors: torch.Tensor):
-        return _dense_segment(self, h, self.args.rebuild(tensors))
+        h, normed = _dense_segment(self, h, self.args.rebuild(tensors))
+        if self.block is None:
+            return h, normed
+        return (h, *self.block[0].before_exchange(normed.reshape(-1, normed.shape[-1])))
 
 
 def _dense_segment(layer: nn.Module, h: torch.Tensor, kwargs: dict):
@@ -176,24 +198,38 @@ class SegmentGraphs:
         self.live = False
         self.graphs: dict[tuple, list] = {}  # signature -> each layer's graphed segment
         self.too_many = False
-        self.params = [p for layer in self.layers for part in SEGMENT_PARTS for p in getattr(layer, part).parameters()
-                       if p.requires_grad]
+        # Which layers' graphs reach to their MoE block's exchange, decided once (the blocks' settings are made before).
+        self.routed = [routes_in_graph(layer) for layer in self.layers]
+        self.params = []  # the graphs' weights: every segment's parameters, once each
+        for layer, routed in zip(self.layers, self.routed):
+            for p in _Segment(layer, None, routed).parameters():
+                if p.requires_grad and all(p is not q for q in self.params):
+                    self.params.append(p)
         for i, layer in enumerate(self.layers):
             # An instance attribute: the layer's class and every other model are untouched.
             layer.forward = self._layer_forward(layer, i)
 
     def _layer_forward(self, layer: nn.Module, index: int):
         def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-            h, normed = self._segment(layer, index, hidden_states, kwargs)
-            out = layer.mlp(normed)
+            outputs = self._replay(index, hidden_states, kwargs)
+            if outputs is None:  # eager: transformers' order of operators
+                h, normed = _dense_segment(layer, hidden_states, kwargs)
+                out = layer.mlp(normed)
+            elif len(outputs) == 2:  # the dense segment replayed
+                h, normed = outputs
+                out = layer.mlp(normed)
+            else:  # the segment and the MoE block up to its exchange replayed
+                h = outputs[0]
+                out = layer.mlp.after_exchange(h.shape, outputs[1:])
             if isinstance(out, tuple):  # gpt-oss's MoE block returns (hidden states, router scores)
                 out = out[0]
             return h + out
 
         return forward
 
-    def _segment(self, layer: nn.Module, index: int, h: torch.Tensor, kwargs: dict):
-        if self.live and layer.training and torch.is_grad_enabled():
+    def _replay(self, index: int, h: torch.Tensor, kwargs: dict) -> tuple | None:
+        """The layer's graphed segment run on this call's tensors (its outputs), or None where it runs eagerly."""
+        if self.live and self.layers[index].training and torch.is_grad_enabled():
             args = _Arguments(kwargs)
             if args.key is not None:
                 key = (tuple(h.shape), h.dtype, h.requires_grad, args.key)
@@ -202,7 +238,7 @@ class SegmentGraphs:
                     graphed = self._capture(key, h, args, kwargs)
                 if graphed is not None:
                     return graphed[index](h, *args.tensors(kwargs))
-        return _dense_segment(layer, h, kwargs)
+        return None
 
     def _capture(self, key: tuple, h: torch.Tensor, args: _Arguments, kwargs: dict) -> list | None:
         """Every layer's segment captured for this signature (at the first layer of its first live micro-step), with
@@ -214,12 +250,14 @@ class SegmentGraphs:
             return None
         start = time.perf_counter()
         self.prepare_grads()
-        segments = tuple(_Segment(layer, args) for layer in self.layers)
+        segments = tuple(_Segment(layer, args, routed) for layer, routed in zip(self.layers, self.routed))
         samples = tuple((h.detach().clone().requires_grad_(h.requires_grad), *(t.detach().clone() for t in args.tensors(kwargs)))
                         for _ in segments)
         self.graphs[key] = list(torch.cuda.make_graphed_callables(segments, samples))
         if self.announce:
-            self.announce(f"cuda_graphs segments: {len(segments)} layers' dense segments captured in "
+            routed = sum(segment.block is not None for segment in segments)
+            self.announce(f"cuda_graphs segments: {len(segments)} layers' dense segments ({routed} with their MoE block's "
+                          f"routing and dispatch) captured in "
                           f"{time.perf_counter() - start:.1f} s (input {tuple(h.shape)})")
         return self.graphs[key]
 
