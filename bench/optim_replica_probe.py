@@ -6,9 +6,10 @@ autotuning, which times its candidate kernel configs in each process and may pic
 One process: a Mixtral test model's two expert weight shapes, fp32, one seed, ``--steps`` steps of
 ``build_optimizer("adamw_torch_8bit")`` with fixed gradients; one JSON line (sha256 of the parameters after each step)
 appended to ``--out``. Run it in several fresh processes (each with its own ``TORCHINDUCTOR_CACHE_DIR``, so each
-autotunes) and compare the lines; ``--deterministic`` compiles under ``torch._inductor.config.deterministic``.
+autotunes) and compare the lines; ``--mode`` picks the Inductor settings (``MODES``). On 4 x H100 (2026-11-28), 4
+processes a mode beside the GPU suite: default 4 alike; deterministic 3 alike and one with the second weight apart.
 
-    for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCHINDUCTOR_CACHE_DIR=/tmp/ind$g python bench/optim_replica_probe.py --out x.jsonl & done
+    for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCHINDUCTOR_CACHE_DIR=/tmp/ind$g python bench/optim_replica_probe.py --out x.jsonl --mode single_config & done
 """
 
 import argparse
@@ -21,7 +22,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch._inductor.config as inductor_config  # noqa: E402
+
 from megablocks_utils.train.optim import build_optimizer  # noqa: E402
+
+# default: Inductor's own (candidate configs timed in each process); deterministic: its deterministic mode (reductions'
+# configs filtered to one by rule); single_config: that and pointwise kernels' configs not timed either (one config per
+# kernel, nothing timed).
+MODES = {"default": {}, "deterministic": {"deterministic": True},
+         "single_config": {"deterministic": True, "triton.autotune_pointwise": False}}
 
 
 def digest(tensors) -> str:
@@ -35,7 +44,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--mode", default="default", choices=sorted(MODES), help="Inductor settings the steps compile under")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
@@ -48,15 +57,10 @@ def main():
     for step in range(args.steps):
         for param, grad in zip(params, grads[step]):
             param.grad = grad.clone()
-        if args.deterministic:
-            import torch._inductor.config as inductor_config
-
-            with inductor_config.patch(deterministic=True):
-                optimizer.step()
-        else:
+        with inductor_config.patch(**MODES[args.mode]):
             optimizer.step()
         found.append([digest([q]) for q in params])
-    record = {"deterministic": args.deterministic, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "params": found}
+    record = {"mode": args.mode, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "params": found}
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     print(json.dumps(record))

@@ -28,10 +28,7 @@ Plain bf16 tensors and fp32 DTensors work.
 
 torchao's AdamW8bit ``torch.compile``s one step function per parameter shape (a C++ compiler on CPU):
 the first step takes seconds to a minute longer; later steps do not. Its ``lr`` is a tensor in each
-param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors). That compile runs under Inductor's
-deterministic mode (``_compiled_alike``): by default each process times candidate kernel configs and keeps the fastest,
-and ranks that pick differently update the same weights a few fp32 ulps apart (tests/gpu/test_optimizers.py: the
-experts' replicas at ep 1 x dp 2, 7.45e-9 apart after step 1, in 5 of 9 sessions).
+param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors).
 """
 
 import torch
@@ -139,23 +136,7 @@ def build_optimizer(
     if optim == "adamw_bf16":
         return AdamWBF16(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     ao = _torchao_optim()
-    return _compiled_alike(ao.AdamW8bit)(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                         block_size=BLOCK_SIZE_8BIT)
-
-
-def _compiled_alike(optimizer_class: type) -> type:
-    """``optimizer_class`` (one whose step compiles its update with torch.compile) with that compile under Inductor's
-    deterministic mode: kernel configs chosen by rule, not by timing in each process, so every rank computes the same
-    bits from the same inputs (weights replicated over ranks stay equal; DCP keeps one copy of them)."""
-    import torch._inductor.config as inductor_config  # the public switch lives in this module (torch >= 2.10)
-
-    class CompiledAlike(optimizer_class):
-        def step(self, closure=None):
-            with inductor_config.patch(deterministic=True):
-                return super().step(closure)
-
-    CompiledAlike.__name__ = CompiledAlike.__qualname__ = optimizer_class.__name__
-    return CompiledAlike
+    return ao.AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE_8BIT)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -17,6 +17,8 @@ train_fsdp2.py on the tiny model, bf16, --optim adamw_bf16, packed rows (varlen)
 Each within the bf16 bound of test_train_parity.py (2e-3).
 """
 
+import re
+
 import pytest
 
 from .launch import gpus, launch_together, metrics, train_fsdp2, worst_relative
@@ -76,7 +78,9 @@ def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
 def test_segment_graphs_train_as_the_layers_launched_from_python(ep_graph_runs):
     segmented, log = ep_graph_runs["segments"]
     assert "cuda_graphs auto: segments (ep = world size" in log
-    assert "dense segments captured" in log  # after the 2 warm-up steps: steps 3 to 8 replay them
+    # after the 2 warm-up steps (steps 3 to 8 replay them), every layer's graph reaching to its MoE block's exchange
+    captured = re.search(r"(\d+) layers' dense segments \((\d+) with their MoE block's routing and dispatch\) captured", log)
+    assert captured and captured[1] == captured[2] != "0", log[-2000:]
     assert "FSDP units: none, dense weights whole on every rank" in log  # fsdp_wrap auto, resolved for the segments
     eager = ep_graph_runs["exact_replicated"][0]
     assert len(segmented) == len(eager) == 8
