@@ -4,10 +4,14 @@ same inputs? tests/gpu/test_optimizers.py finds the experts' replicas at ep 1 x 
 autotuning, which times its candidate kernel configs in each process and may pick different ones.
 
 One process: a Mixtral test model's two expert weight shapes, fp32, one seed, ``--steps`` steps of
-``build_optimizer("adamw_torch_8bit")`` with fixed gradients; one JSON line (sha256 of the parameters after each step)
+torchao's AdamW8bit (build_optimizer's settings) with fixed gradients; one JSON line (sha256 of the parameters after each step)
 appended to ``--out``. Run it in several fresh processes (each with its own ``TORCHINDUCTOR_CACHE_DIR``, so each
-autotunes) and compare the lines; ``--mode`` picks the Inductor settings (``MODES``). On 4 x H100 (2026-11-28), 4
-processes a mode beside the GPU suite: default 4 alike; deterministic 3 alike and one with the second weight apart.
+autotunes) and compare the lines; ``--mode`` picks the Inductor settings (``MODES``). On 4 x H100 (2026-11-28), 8
+processes beside the GPU suite, all under Inductor's deterministic mode (build_optimizer's wrapper then; the probe's
+"default" added nothing to it): 7 alike, one with the second weight apart. On 4 x H200 (2026-11-28), 4 processes a mode
+beside test_graphs_ep, the wrapper gone: default 4 different results, single_config 4 alike:
+what train/optim.py's adamw_torch_8bit now compiles under (``SAME_KERNELS_EVERYWHERE``). The probe builds torchao's
+AdamW8bit itself (as build_optimizer did before), so that its modes are the only settings.
 
     for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCHINDUCTOR_CACHE_DIR=/tmp/ind$g python bench/optim_replica_probe.py --out x.jsonl --mode single_config & done
 """
@@ -24,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch._inductor.config as inductor_config  # noqa: E402
 
-from megablocks_utils.train.optim import build_optimizer  # noqa: E402
+from megablocks_utils.train.optim import BLOCK_SIZE_8BIT  # noqa: E402
 
 # default: Inductor's own (candidate configs timed in each process); deterministic: its deterministic mode (reductions'
 # configs filtered to one by rule); single_config: that and pointwise kernels' configs not timed either (one config per
@@ -51,8 +55,9 @@ def main():
     shapes = [(8, 2048, 512), (8, 512, 1024)]  # gate_up and down of tests/gpu/test_optimizers.py's Mixtral
     params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device)) for s in shapes]
     grads = [[(torch.randn(s, generator=g) * 1e-4).to(device) for s in shapes] for _ in range(args.steps)]
-    optimizer = build_optimizer("adamw_torch_8bit", [{"params": params}], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01,
-                                device_type=device.type)
+    from torchao.optim import AdamW8bit
+
+    optimizer = AdamW8bit([{"params": params}], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, block_size=BLOCK_SIZE_8BIT)
     found = []
     for step in range(args.steps):
         for param, grad in zip(params, grads[step]):

@@ -226,7 +226,8 @@ def _check_routed_segments(rank, world, archs):
             captured.append(callables)
             return callables
 
-        torch.cuda.make_graphed_callables = stand_in  # this spawned rank's own torch: nothing else sees it
+        torch.cuda.make_graphed_callables = stand_in  # a spawned rank's own modules, or the test's (it restores them)
+        segment_graphs.ROUTE_IN_GRAPH = True
         model, segmented = _sharded_pair(arch, rank, world)
         segments = SegmentGraphs(segmented)
         segments.live = True
@@ -252,10 +253,12 @@ SEGMENT_ARCHITECTURES = [a for a in ARCHITECTURES if not a.startswith("granitemo
 
 
 @pytest.mark.parametrize("arch", SEGMENT_ARCHITECTURES)
-def test_routed_segments_match_the_eager_layer(arch):
+def test_routed_segments_match_the_eager_layer(arch, monkeypatch):
     import torch.distributed as dist
     from conftest import free_port
 
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", torch.cuda.make_graphed_callables)  # restored after
+    monkeypatch.setattr(segment_graphs, "ROUTE_IN_GRAPH", segment_graphs.ROUTE_IN_GRAPH)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         _check_routed_segments(0, 1, [arch])
@@ -265,3 +268,17 @@ def test_routed_segments_match_the_eager_layer(arch):
 
 def test_routed_segments_match_the_eager_layer_at_ep2():
     run_ranks(_check_routed_segments, 2, ["qwen3_moe", "deepseek_v2"])
+
+
+def test_routing_stays_out_of_the_graphs_unless_switched_on():
+    """``ROUTE_IN_GRAPH`` off (the default): the native MoE blocks stay out of the segments' graphs."""
+    import torch.distributed as dist
+    from conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        _, segmented = _sharded_pair("qwen3_moe")
+    finally:
+        dist.destroy_process_group()
+    assert not segment_graphs.ROUTE_IN_GRAPH
+    assert not any(SegmentGraphs(segmented).routed)

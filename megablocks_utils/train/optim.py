@@ -28,7 +28,11 @@ Plain bf16 tensors and fp32 DTensors work.
 
 torchao's AdamW8bit ``torch.compile``s one step function per parameter shape (a C++ compiler on CPU):
 the first step takes seconds to a minute longer; later steps do not. Its ``lr`` is a tensor in each
-param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors).
+param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors). That compile runs with one kernel config
+per kernel, chosen by rule (``_compiled_alike``): by default each process times candidate configs and keeps the fastest,
+and ranks that pick differently update the same weights an fp32 ulp apart (tests/gpu/test_optimizers.py: the experts'
+replicas at ep 1 x dp 2 apart after step 1 in 5 of 9 sessions; bench/optim_replica_probe.py on 4 x H200, 4 fresh
+processes on the same inputs: 4 different results by default, 1 with one config per kernel).
 """
 
 import torch
@@ -136,7 +140,28 @@ def build_optimizer(
     if optim == "adamw_bf16":
         return AdamWBF16(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     ao = _torchao_optim()
-    return ao.AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE_8BIT)
+    return _compiled_alike(ao.AdamW8bit)(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                         block_size=BLOCK_SIZE_8BIT)
+
+
+# Inductor settings under which every process compiles the same kernels: its deterministic mode (reductions' configs
+# picked by rule) and no timing of pointwise kernels' configs either (bench/optim_replica_probe.py's "single_config").
+SAME_KERNELS_EVERYWHERE = {"deterministic": True, "triton.autotune_pointwise": False}
+
+
+def _compiled_alike(optimizer_class: type) -> type:
+    """``optimizer_class`` (one whose step compiles its update with torch.compile) with that compile under
+    ``SAME_KERNELS_EVERYWHERE``, so that every rank computes the same bits from the same inputs (weights replicated over
+    ranks stay equal, and DCP, which keeps one copy of them, restores every rank's)."""
+    import torch._inductor.config as inductor_config  # where torch keeps these switches
+
+    class CompiledAlike(optimizer_class):
+        def step(self, closure=None):
+            with inductor_config.patch(SAME_KERNELS_EVERYWHERE):
+                return super().step(closure)
+
+    CompiledAlike.__name__ = CompiledAlike.__qualname__ = optimizer_class.__name__
+    return CompiledAlike
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -9,8 +9,8 @@ the static exchange that would allow it overflowed or padded too much). The part
 attention, residual, post-attention norm) has fixed shapes and no sync: one graph each way, through
 ``torch.cuda.make_graphed_callables`` (forward and backward graphs as one autograd node). So has the native MoE
 block's part before its exchange (router, route, dispatch, shared expert: ``ExpertParallelMoE.before_exchange``), which
-joins the graph where the block sends all tokens at once (``routes_in_graph``); the exchange, the experts and the
-combine stay eager (``after_exchange``). Measured by bench/segment_graphs_probe.py, a micro-step of the 12-layer stack
+can join the graph where the block sends all tokens at once (``routes_in_graph``; off: ``ROUTE_IN_GRAPH``); the
+exchange, the experts and the combine then stay eager (``after_exchange``). Measured by bench/segment_graphs_probe.py, a micro-step of the 12-layer stack
 at ep 4: 118 ms against 163 ms eager (4 x H200, dense segments); 140 ms dense segments, 126 ms with the routing, 166 ms
 eager (4 x H100).
 
@@ -52,6 +52,12 @@ SEGMENT_LAYERS = frozenset({"MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen
 # Whether cuda_graphs "auto" takes the segments at ep = world size > 1 on one node (where they can run): on since 4 x H200 measured
 # them ahead of FSDP's whole-model unit (BENCHMARKS.md, "Several GPUs").
 SEGMENTS_IN_AUTO = True
+# Whether a layer's graph reaches to its MoE block's exchange where it can (``routes_in_graph``). Off: on 4 x H200 (ep 4,
+# Qwen3-30B-A3B's shape, 12 layers, synthetic rows; 2026-11-28) training took 0.611 s a step with it against 0.614 without
+# (median of 8; one slow step of 1.46x the median with it) and 2.5 GiB more at its peak (each layer's routed rows and
+# router outputs held as static buffers, which the fit check does not count), though bench/segment_graphs_probe.py's
+# micro-step was 126 ms against 140 ms on 4 x H100. Verified on GPUs either way (tests/gpu/test_graphs_ep.py at ep 2).
+ROUTE_IN_GRAPH = False
 # Signatures with graphs of their own (each holds every layer's segment activations); a micro-step of one more runs eagerly.
 MAX_SIGNATURES = 4
 
@@ -107,10 +113,10 @@ def resolve_segment_graphs(setting, blocker: str | None, single_node: bool = Tru
 
 
 def routes_in_graph(layer: nn.Module) -> bool:
-    """Whether the layer's MoE block can have its part before the exchange in the segment's graph: the native block
-    (``ExpertParallelMoE`` with the native experts) sending all tokens at once (``sends_whole``)."""
+    """Whether the layer's MoE block has its part before the exchange in the segment's graph: ``ROUTE_IN_GRAPH`` and the
+    native block (``ExpertParallelMoE`` with the native experts) sending all tokens at once (``sends_whole``)."""
     mlp = getattr(layer, "mlp", None)
-    return isinstance(mlp, ExpertParallelMoE) and type(mlp.experts) is ExpertParallelExperts and mlp.experts.sends_whole
+    return ROUTE_IN_GRAPH and isinstance(mlp, ExpertParallelMoE) and type(mlp.experts) is ExpertParallelExperts and mlp.experts.sends_whole
 
 
 class _Segment(nn.Module):
