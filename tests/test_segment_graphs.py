@@ -173,6 +173,8 @@ def test_live_segments_capture_once_per_signature_and_replay_the_layer(monkeypat
     loss, grads = step(reference, ids)
     seg_loss, seg_grads = step(model, ids)
     assert len(captured) == 1 and captured[0][0] == (2, 12, 64), captured  # h: rows, tokens, hidden
+    # the line tests/gpu/test_graphs_ep.py reads (transformers' MoE blocks here: no routing in the graphs)
+    assert notes[0].startswith("cuda_graphs segments: 2 layers' dense segments captured in "), notes
     assert torch.equal(loss, seg_loss)
     for name in grads:
         assert torch.equal(grads[name], seg_grads[name]), name
@@ -229,12 +231,14 @@ def _check_routed_segments(rank, world, archs):
         torch.cuda.make_graphed_callables = stand_in  # a spawned rank's own modules, or the test's (it restores them)
         segment_graphs.ROUTE_IN_GRAPH = True
         model, segmented = _sharded_pair(arch, rank, world)
-        segments = SegmentGraphs(segmented)
+        notes = []
+        segments = SegmentGraphs(segmented, announce=notes.append)
         segments.live = True
         ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(7 + rank))
         loss, grads = _loss_aux_and_grads(model, ids)
         seg_loss, seg_grads = _loss_aux_and_grads(segmented, ids)
         routed = [s for s in captured[0] if s.block is not None]
+        assert f"({len(routed)} with their MoE block's routing and dispatch) captured" in notes[0], notes
         moe_layers = [layer for layer in segmented.model.layers if hasattr(layer.mlp, "before_exchange")]
         assert len(routed) == len(moe_layers) > 0, (arch, len(routed), len(moe_layers))
         assert torch.equal(loss, seg_loss), (arch, loss, seg_loss)

@@ -262,8 +262,8 @@ class SegmentGraphs:
         self.graphs[key] = list(torch.cuda.make_graphed_callables(segments, samples))
         if self.announce:
             routed = sum(segment.block is not None for segment in segments)
-            self.announce(f"cuda_graphs segments: {len(segments)} layers' dense segments ({routed} with their MoE block's "
-                          f"routing and dispatch) captured in "
+            routing = f" ({routed} with their MoE block's routing and dispatch)" if routed else ""
+            self.announce(f"cuda_graphs segments: {len(segments)} layers' dense segments{routing} captured in "
                           f"{time.perf_counter() - start:.1f} s (input {tuple(h.shape)})")
         return self.graphs[key]
 
