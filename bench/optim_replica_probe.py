@@ -4,8 +4,8 @@ same inputs? tests/gpu/test_optimizers.py finds the experts' replicas at ep 1 x 
 autotuning, which times its candidate kernel configs in each process and may pick different ones.
 
 One process: a Mixtral test model's two expert weight shapes, fp32, one seed, ``--steps`` steps of
-torchao's AdamW8bit (build_optimizer's settings) with fixed gradients; one JSON line (sha256 of the parameters after each step)
-appended to ``--out``. Run it in several fresh processes (each with its own ``TORCHINDUCTOR_CACHE_DIR``, so each
+torchao's AdamW8bit (build_optimizer's settings) with fixed gradients; one JSON line (sha256 of the parameters after
+each step) appended to ``--out``. Run it in several fresh processes (each with its own ``TORCHINDUCTOR_CACHE_DIR``, so each
 autotunes) and compare the lines; ``--mode`` picks the Inductor settings (``MODES``). On 4 x H100 (2026-11-28), 8
 processes beside the GPU suite, all under Inductor's deterministic mode (build_optimizer's wrapper then; the probe's
 "default" added nothing to it): 7 alike, one with the second weight apart. On 4 x H200 (2026-11-28), 4 processes a mode
@@ -13,7 +13,8 @@ beside test_graphs_ep, the wrapper gone: default 4 different results, single_con
 what train/optim.py's adamw_torch_8bit now compiles under (``SAME_KERNELS_EVERYWHERE``). The probe builds torchao's
 AdamW8bit itself (as build_optimizer did before), so that its modes are the only settings.
 
-    for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCHINDUCTOR_CACHE_DIR=/tmp/ind$g python bench/optim_replica_probe.py --out x.jsonl --mode single_config & done
+    for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCHINDUCTOR_CACHE_DIR=/tmp/ind$g \
+        python bench/optim_replica_probe.py --out x.jsonl --mode single_config & done
 """
 
 import argparse

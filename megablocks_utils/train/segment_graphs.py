@@ -10,9 +10,9 @@ attention, residual, post-attention norm) has fixed shapes and no sync: one grap
 ``torch.cuda.make_graphed_callables`` (forward and backward graphs as one autograd node). So has the native MoE
 block's part before its exchange (router, route, dispatch, shared expert: ``ExpertParallelMoE.before_exchange``), which
 can join the graph where the block sends all tokens at once (``routes_in_graph``; off: ``ROUTE_IN_GRAPH``); the
-exchange, the experts and the combine then stay eager (``after_exchange``). Measured by bench/segment_graphs_probe.py, a micro-step of the 12-layer stack
-at ep 4: 118 ms against 163 ms eager (4 x H200, dense segments); 140 ms dense segments, 126 ms with the routing, 166 ms
-eager (4 x H100).
+exchange, the experts and the combine then stay eager (``after_exchange``). Measured by bench/segment_graphs_probe.py,
+a micro-step of the 12-layer stack at ep 4: 118 ms against 163 ms eager (4 x H200, dense segments); 140 ms dense
+segments, 126 ms with the routing, 166 ms eager (4 x H100).
 
 How: each decoder layer's ``forward`` (on the instance, as make_graphed_callables itself replaces a module's forward)
 becomes ``segment -> mlp -> residual``, which the layers of ``SEGMENT_LAYERS`` (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
@@ -54,7 +54,7 @@ SEGMENT_LAYERS = frozenset({"MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen
 SEGMENTS_IN_AUTO = True
 # Whether a layer's graph reaches to its MoE block's exchange where it can (``routes_in_graph``). Off: on 4 x H200 (ep 4,
 # Qwen3-30B-A3B's shape, 12 layers, synthetic rows; 2026-11-28) training took 0.611 s a step with it against 0.614 without
-# (median of 8; one slow step of 1.46x the median with it) and 2.5 GiB more at its peak (each layer's routed rows and
+# (median of 8; with it, the last three steps 0.69-0.89 s) and 2.5 GiB more at its peak (each layer's routed rows and
 # router outputs held as static buffers, which the fit check does not count), though bench/segment_graphs_probe.py's
 # micro-step was 126 ms against 140 ms on 4 x H100. Verified on GPUs either way (tests/gpu/test_graphs_ep.py at ep 2).
 ROUTE_IN_GRAPH = False
@@ -116,7 +116,8 @@ def routes_in_graph(layer: nn.Module) -> bool:
     """Whether the layer's MoE block has its part before the exchange in the segment's graph: ``ROUTE_IN_GRAPH`` and the
     native block (``ExpertParallelMoE`` with the native experts) sending all tokens at once (``sends_whole``)."""
     mlp = getattr(layer, "mlp", None)
-    return ROUTE_IN_GRAPH and isinstance(mlp, ExpertParallelMoE) and type(mlp.experts) is ExpertParallelExperts and mlp.experts.sends_whole
+    return (ROUTE_IN_GRAPH and isinstance(mlp, ExpertParallelMoE) and type(mlp.experts) is ExpertParallelExperts
+            and mlp.experts.sends_whole)
 
 
 class _Segment(nn.Module):
