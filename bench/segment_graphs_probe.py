@@ -15,8 +15,8 @@ and backward. Three ways, the same code but for the segments:
   eager    every segment launched from Python (today's forward, bar FSDP)
   graphed  each layer's segment through ``torch.cuda.make_graphed_callables`` (forward and backward graphs): what
            ``cuda_graphs segments`` does in training (train/segment_graphs.py)
-  graphed_routed  the segment and the MoE block's part before its count read (router, route, dispatch: the functions
-           of moe/dispatch.py the layer calls) in one graph each way, the rest eager (``exchange`` and ``combine``, as
+  graphed_routed  the segment and the MoE block's part before its count read (router, route, dispatch:
+           ``ExpertParallelMoE.before_exchange``) in one graph each way, the rest eager (``exchange`` and ``combine``, as
            the layer's exact exchange with its tokens whole): what extending the segments that far would buy (the MoE
            block's launches pace the forward after them). Blocks without a shared expert only.
 One JSON record per way (rank 0 appends it to --out): ms per micro-step (wall, median of --iters), the forward's host
@@ -42,7 +42,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megablocks_utils.model.architectures import decoder_layers  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.build import load_model  # noqa: E402
-from megablocks_utils.moe.dispatch import Route, combine, dispatch, exchange, route  # noqa: E402
 from megablocks_utils.parallel.parallelize import parallelize  # noqa: E402
 
 
@@ -63,31 +62,23 @@ class DenseSegment(nn.Module):
 
 
 class RoutedSegment(DenseSegment):
-    """``DenseSegment`` and the MoE block up to its exchange: (residual stream, router probabilities, top-k weights, the
-    route's four tensors, the routed rows), as ``ExpertParallelExperts.route_and_compute`` computes them for the exact
-    exchange with its tokens whole. The router is a child (its weight a graph input), the experts are not (the rows'
-    exchange and the experts run eagerly: ``rest``)."""
+    """``DenseSegment`` and the MoE block up to its exchange (``ExpertParallelMoE.before_exchange``: router probabilities,
+    top-k weights and experts, the route's four tensors, the routed rows), what ``cuda_graphs segments`` captures with
+    ``ROUTE_IN_GRAPH`` on. The router is a child (its weight a graph input), the experts are not (the rows' exchange and
+    the experts run eagerly: ``rest``, the block's ``after_exchange``)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
         self.router = layer.mlp.top_k_router
-        self._experts = [layer.mlp.experts]  # in a list: not a child
+        self._block = [layer.mlp]  # in a list: not a child
 
     def forward(self, h, cos, sin):
         h, normed = super().forward(h, cos, sin)
-        x = normed.reshape(-1, normed.shape[-1])
-        probs, top_w, top_i = self.router(x)
-        experts = self._experts[0]
-        r = route(top_i, experts.num_experts)
-        return h, probs, top_w, *r, dispatch(x, r, top_i.shape[1], experts.fuse_elementwise(x))
+        return (h, *self._block[0].before_exchange(normed.reshape(-1, normed.shape[-1])))
 
     def rest(self, outputs, shape) -> torch.Tensor:
-        """The MoE block's output from ``forward``'s outputs, as the layer's exact exchange computes it."""
-        h, probs, top_w, order, token_of_copy, copy_row, counts, routed = outputs
-        experts = self._experts[0]
-        r = Route(order, token_of_copy, copy_row, counts)
-        out = exchange([routed], [counts], experts.ep_size, experts.num_local_experts, experts._ep_group(), experts.compute)[0]
-        return combine(out, r, top_w, routed.dtype, experts.fuse_elementwise(routed)).reshape(shape)
+        """The MoE block's output from ``forward``'s outputs."""
+        return self._block[0].after_exchange(shape, outputs[1:])
 
 
 def parse_args():

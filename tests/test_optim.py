@@ -148,3 +148,22 @@ def test_weight_decay_skips_what_trainer_skips(arch):
         assert len(parameter_groups(swapped, experts, weight_decay=0.0)) == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_the_8bit_step_compiles_with_one_kernel_config_per_kernel(monkeypatch):
+    """adamw_torch_8bit's step runs under Inductor's deterministic mode with pointwise configs not timed (every rank
+    compiles the same kernels, so replicated weights stay equal: bench/optim_replica_probe.py), and only inside it."""
+    import torch._inductor.config as inductor_config
+    from torchao.optim import AdamW8bit
+
+    from megablocks_utils.train.optim import build_optimizer
+
+    seen = []
+    monkeypatch.setattr(AdamW8bit, "step", lambda self, closure=None: seen.append(
+        (inductor_config.deterministic, inductor_config.triton.autotune_pointwise)))
+    weight = torch.nn.Parameter(torch.zeros(4096))
+    optimizer = build_optimizer("adamw_torch_8bit", [{"params": [weight]}], lr=1e-3, betas=(0.9, 0.95))
+    assert isinstance(optimizer, AdamW8bit) and type(optimizer).__name__ == "AdamW8bit"
+    optimizer.step()
+    assert seen == [(True, False)]
+    assert (inductor_config.deterministic, inductor_config.triton.autotune_pointwise) == (False, True)  # restored

@@ -207,11 +207,9 @@ class SegmentGraphs:
         self.too_many = False
         # Which layers' graphs reach to their MoE block's exchange, decided once (the blocks' settings are made before).
         self.routed = [routes_in_graph(layer) for layer in self.layers]
-        self.params = []  # the graphs' weights: every segment's parameters, once each
-        for layer, routed in zip(self.layers, self.routed):
-            for p in _Segment(layer, None, routed).parameters():
-                if p.requires_grad and all(p is not q for q in self.params):
-                    self.params.append(p)
+        # The graphs' weights: every segment's parameters, once each (dict keys: one per parameter, in order).
+        self.params = list({id(p): p for layer, routed in zip(self.layers, self.routed)
+                            for p in _Segment(layer, None, routed).parameters() if p.requires_grad}.values())
         for i, layer in enumerate(self.layers):
             # An instance attribute: the layer's class and every other model are untouched.
             layer.forward = self._layer_forward(layer, i)
