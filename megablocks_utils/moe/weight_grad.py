@@ -28,7 +28,7 @@ _written: set | None = None
 # all-to-all that returns the input gradients to the tokens' ranks runs meanwhile, and its backward joins the side
 # stream (``join_weight_grads``) before anything after it runs. Off: each GEMM's weight gradient on the compute
 # stream before the all-to-all may start (the same kernels and results, in another order).
-WEIGHT_GRADS_BESIDE_EXCHANGE = True
+WEIGHT_GRADS_BESIDE_EXCHANGE = False
 _beside = False  # set by ``weight_grads_beside_exchange`` during the forward of the experts between two all-to-alls
 _side_streams: dict = {}  # device -> its side stream
 _pending: set = set()  # devices whose side stream has work that the compute stream has not joined yet
