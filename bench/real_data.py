@@ -39,6 +39,8 @@
   ours_synthetic_graphs, ours_chat_graphs  the *_static runs with --fsdp_wrap none --cuda_graphs true: at --ep > 1 the
                    dense weights whole on every rank and each micro-step replayed from a CUDA graph (one GPU: graphs
                    as by default)
+  ours_synthetic_numa, ours_chat_numa  ours_synthetic, ours_chat launched with `torchrun --numa-binding node` (each rank
+                   and its threads on the CPUs of its GPU's NUMA node: where the host paces the step, its placement may)
   hf_sdpa          transformers' own model on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
 
@@ -120,7 +122,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
-        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "ours_synthetic_numa", "ours_chat_numa", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
@@ -218,7 +220,8 @@ def ours(run: str, args, work: str) -> dict:
     launcher = [] if args.routing == "own" else [os.path.join(BENCH, "with_routing.py"), args.routing]
     # --ep N: ours on N GPUs, each with its own rows and 1/N of the experts (the data for N ranks' steps).
     parallel = ["--ep_size", str(args.ep)] if args.ep > 1 else []
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", *launcher, os.path.join(ROOT, "train_fsdp2.py"),
+    numa = ["--numa-binding", "node"] if run.endswith("_numa") else []  # torchrun's own flag (torch >= 2.9)
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", *numa, *launcher, os.path.join(ROOT, "train_fsdp2.py"),
                *parallel, "--model_name_or_path", model_dir, "--data_path", data_file(run, work, args.dir, steps * args.ep, args.seq), "--output_dir",
                out_dir, "--max_length", str(args.seq), "--per_device_train_batch_size", str(MICRO_BATCH),
                "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5", "--max_steps",

@@ -434,9 +434,9 @@ def peer_of(run: str) -> str | None:
 
 
 def plain_run(run: str) -> str:
-    """ours_synthetic for ours_synthetic_static, _graphs, _replicated, _segments or _placed: the run they vary (the same on
-    one GPU)."""
-    for suffix in ("_static", "_graphs", "_replicated", "_segments", "_model_wrap", "_placed"):
+    """ours_synthetic for ours_synthetic_static, _graphs, _replicated, _segments, _model_wrap, _placed or _numa: the run they
+    vary (the same on one GPU)."""
+    for suffix in ("_static", "_graphs", "_replicated", "_segments", "_model_wrap", "_placed", "_numa"):
         run = run.removesuffix(suffix)
     return run
 

@@ -12,6 +12,8 @@ import sys
 import pytest
 from conftest import ROOT
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
 
 @pytest.mark.parametrize("shape", ["deepseek_v2_lite"])
 def test_both_sides_train_the_shrunk_shape_with_the_same_balanced_routing(shape, tmp_path):
@@ -66,3 +68,29 @@ def test_ep_runs_ours_alone():
     proc = subprocess.run([sys.executable, os.path.join("bench", "real_data.py"), "--ep", "2", "--runs", "ours_synthetic,hf_synthetic"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "give only ours' runs" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_a_numa_run_asks_torchrun_to_bind_its_ranks(monkeypatch, tmp_path):
+    """ours_chat_numa is ours_chat launched with torchrun's ``--numa-binding node`` (a torchrun flag: before the script);
+    ours_chat has no binding."""
+    from types import SimpleNamespace
+
+    import real_data
+
+    launched = []
+
+    def popen(command, **kwargs):
+        launched.append(command)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(real_data.subprocess, "Popen", popen)
+    args = SimpleNamespace(warmup=1, steps=1, chat_steps=1, static_factor="", ep=2, routing="own", dir=str(tmp_path), seq=64)
+    for run in ("ours_chat_numa", "ours_chat"):
+        with pytest.raises(RuntimeError, match="stop here"):
+            real_data.ours(run, args, str(tmp_path))
+    numa, plain = launched
+    script = numa.index(os.path.join(ROOT, "train_fsdp2.py"))
+    assert numa[numa.index("--numa-binding") + 1] == "node" and numa.index("--numa-binding") < script
+    same_script_args = [a.replace("ours_chat_numa", "ours_chat") for a in numa[script:]]  # its own output folder
+    assert "--numa-binding" not in plain and numa[:4] == plain[:4]
+    assert same_script_args == plain[plain.index(os.path.join(ROOT, "train_fsdp2.py")):]
