@@ -35,6 +35,8 @@ replicas at ep 1 x dp 2 apart after step 1 in 5 of 9 sessions; bench/optim_repli
 processes on the same inputs: 4 different results by default, 1 with one config per kernel).
 """
 
+import functools
+
 import torch
 
 from megablocks_utils.parallel.grads import scale_grads_
@@ -149,6 +151,7 @@ def build_optimizer(
 SAME_KERNELS_EVERYWHERE = {"deterministic": True, "triton.autotune_pointwise": False}
 
 
+@functools.cache  # one subclass per optimizer class, whatever the number of optimizers built
 def _compiled_alike(optimizer_class: type) -> type:
     """``optimizer_class`` (one whose step compiles its update with torch.compile) with that compile under
     ``SAME_KERNELS_EVERYWHERE``, so that every rank computes the same bits from the same inputs (weights replicated over
