@@ -144,6 +144,25 @@ def test_replicated_dense_weights_are_whole_on_every_rank():
         estimate_memory(four, fsdp_wrap="none", **dict(plan, ep_size=1))
 
 
+def test_replicated_dense_gradients_staged_in_fp32_at_the_backwards_end():
+    """Averaged during the last backward (ReplicatedGradSync), every bucket's fp32 copy lives until the step's finish: at
+    the backward's end the gradients and 4 bytes per dense weight are allocated, which a plan of small activations must
+    count; where the activations are larger that moment is not the peak and the estimate is the activations'."""
+    four = dict(TINY, num_hidden_layers=4)
+    dense = 168 + 4 * 240
+    plan = dict(world_size=2, ep_size=2, optim="adamw_bf16", shard_experts=True, per_device_train_batch_size=1,
+                gradient_accumulation_steps=2, fsdp_wrap="none")
+    short = estimate_memory(four, max_length=1, **plan)
+    allocated = (short.total - memory_plan.OVERHEAD_BYTES) / (1 + memory_plan.FRAGMENTATION)
+    assert short.activations + short.logits < 4 * dense  # small enough that the backward's end is the peak
+    assert allocated == pytest.approx(short.params + short.optimizer_state + short.gathered_grads + short.grads + 4 * dense)
+    long = estimate_memory(four, max_length=4096, **plan)
+    allocated = (long.total - memory_plan.OVERHEAD_BYTES) / (1 + memory_plan.FRAGMENTATION)
+    assert long.activations > 4 * dense
+    assert allocated == pytest.approx(long.params + long.optimizer_state + long.gathered_grads + long.grads + long.activations
+                                      + long.logits)
+
+
 def test_replicated_dense_weights_need_the_compute_dtype_and_ep_world_size():
     """parallelize's check for fsdp_wrap "none": FSDP would have cast fp32 weights to bf16, or sharded experts over dp."""
     from types import SimpleNamespace

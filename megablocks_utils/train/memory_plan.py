@@ -653,6 +653,11 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         if replicated_dense:  # the fp32 bucket average_replicated_grads stages each collective in, after the backward
             gathered_grads = 4.0 * min(trained.dense, REPLICATED_BUCKET)
         during_backward = grads + activations + logits if plan.gradient_accumulation_steps > 1 else max(grads, activations + logits)
+        if replicated_dense:
+            # Averaged during the last backward (parallel/replicated_grads.ReplicatedGradSync, whenever no whole
+            # micro-step is a graph), each bucket's fp32 copy is kept until the step's finish: at the backward's end every
+            # dense gradient has one (4 bytes each) beside the gradients, while the activations are gone.
+            during_backward = max(during_backward, grads + 4.0 * trained.dense)
     allocated = params + state + gathered_weights + gathered_grads + during_backward
     overhead = OVERHEAD_BYTES + FRAGMENTATION * allocated
     return MemoryEstimate(
