@@ -17,13 +17,14 @@ from conftest import free_port
 
 @pytest.fixture
 def events(monkeypatch):
-    """Side-stream work run at once and recorded as ("side", parameter id); joins recorded as ("join",)."""
+    """The setting on; side-stream work run at once and recorded as ("side", tensors read); joins recorded as ("join",)."""
     found = []
 
     def on_side_stream(work, *read):
         found.append(("side", len(read)))
         work()
 
+    monkeypatch.setattr(weight_grad, "WEIGHT_GRADS_BESIDE_EXCHANGE", True)  # the setting on (off by default)
     monkeypatch.setattr(weight_grad, "_can_go_beside", lambda x: True)
     monkeypatch.setattr(weight_grad, "_on_side_stream", on_side_stream)
     monkeypatch.setattr(dispatch, "join_weight_grads", lambda: found.append(("join",)))
