@@ -160,6 +160,7 @@ except InputError as e:
 from transformers import AutoConfig, AutoTokenizer, get_scheduler  # noqa: E402
 
 from megablocks_utils import (  # noqa: E402
+    average_replicated_grads,
     build_mesh,
     clipped_step,
     expert_parameters,
@@ -415,9 +416,8 @@ world_group = mesh.world.get_group()
 graphs = MicroStepGraphs(model, device, announce=progress.write if master else None) if use_graphs else None
 # Or each layer's part before its MoE block, after the same warm-up steps; its gradients then stay allocated too.
 segments = SegmentGraphs(model, announce=progress.write if master else None) if use_segments else None
-# Dense weights whole on every rank: their gradients averaged during the last micro-step's backward, or after it where
-# whole micro-steps are graphs (a hook inside a graph would launch its collective into the graph)
-replicated = ReplicatedGradSync(model.parameters(), world_group, overlap=graphs is None) if fsdp_wrap == "none" else None
+# Dense weights whole on every rank: their gradients averaged during the last micro-step's backward (not inside a graph)
+replicated = ReplicatedGradSync(model.parameters(), world_group) if fsdp_wrap == "none" and graphs is None else None
 # Under graphs a static exchange's overflow is not checked per micro-step but once a step (moe/exchange_mode.py)
 defer_overflow = graphs is not None and exchange_mode(model) is not None
 
@@ -460,8 +460,10 @@ for step in range(start_step, total_steps):
         with exact_exchange(model):
             micro_steps(step_loss, micro_batches, replay=False)
         step_loss.sums.exchange_reruns = len(micro_batches)
-    if replicated is not None:  # the averages written back (the last backward's all-reduces waited for)
+    if replicated is not None:  # the last backward's all-reduces waited for, the averages written back
         replicated.finish()
+    elif fsdp_wrap == "none":  # under whole-micro-step graphs: dense gradients averaged here, once a step
+        average_replicated_grads(model.parameters(), world_group)
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
     grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)

@@ -171,7 +171,7 @@ def main() -> None:
     from transformers import __version__ as transformers_version
 
     from megablocks_utils.data.batches import collate
-    from megablocks_utils.parallel.replicated_grads import average_replicated_grads
+    from megablocks_utils.parallel.grads import average_replicated_grads
     from megablocks_utils.train.loss import causal_lm_loss_sum
     from megablocks_utils.train.metrics import active_params, flops_per_token
 

@@ -18,7 +18,7 @@ _MODULE_OF = {
     "clip_grad_norm_": "parallel.grads",
     "clipped_step": "train.optim",
     "grad_norm_and_clip_coef": "parallel.grads",
-    "average_replicated_grads": "parallel.replicated_grads",
+    "average_replicated_grads": "parallel.grads",
     "sync_expert_grads": "parallel.grads",
     "IGNORE_INDEX": "data.records",
     "causal_lm_loss_sum": "train.loss",

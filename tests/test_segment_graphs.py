@@ -137,27 +137,8 @@ def _check_overlapped_average(rank, world):
         assert torch.allclose(p.grad, expected, rtol=1e-6, atol=1e-7), (rank, (p.grad - expected).abs().max())
     assert sync.launched == [] and not sync.armed  # ready for the next step
 
-    # Without overlap (whole micro-steps as graphs): nothing launched during the backward, every bucket in finish, one
-    # in flight at a time; the same averages
-    after = ReplicatedGradSync(model.parameters(), dist.group.WORLD, bucket_elements=60, overlap=False)
-    in_flight = []
-    launch = after._launch
-    after._launch = lambda b: (in_flight.append(len(after.launched)), launch(b))
-    model.zero_grad()
-    for i, x in enumerate(inputs):
-        after.arm(i == len(inputs) - 1)
-        model(x).square().sum().backward()
-    assert after.launched == [] and in_flight == []
-    after.finish()
-    assert in_flight == [0] * len(after.buckets)
-    for p, mine in zip(model.parameters(), local):
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        assert torch.allclose(p.grad, torch.stack(gathered).sum(0) / world, rtol=1e-6, atol=1e-7), rank
-
 
 def test_replicated_gradients_are_averaged_by_the_last_backward():
-    """During the last backward (the hooks) or, with overlap off, after it one bucket at a time: the mean over ranks."""
     run_ranks(_check_overlapped_average, 2)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megablocks_utils.moe.blocks import expert_parameters
-from megablocks_utils.parallel.mesh import MoEMesh
+from megablocks_utils.parallel.mesh import REPLICATED_BUCKET, MoEMesh
 
 
 def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
@@ -40,13 +40,35 @@ def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:
         g.div_(mesh.world_size)
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], groups) -> None:
-    """Sum ``grads`` over each of ``groups`` in turn as one flat tensor and write the result back in place."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def _all_reduce_flat(grads: list[torch.Tensor], groups, dtype: torch.dtype | None = None, divisor: int = 1) -> None:
+    """Sum ``grads`` over each of ``groups`` in turn as one flat tensor (in ``dtype``, default theirs), divide by
+    ``divisor`` and write the result back in place."""
+    flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
     for group in groups:
         dist.all_reduce(flat, group=group)
+    if divisor != 1:
+        flat.div_(divisor)
     for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
         g.copy_(reduced.view_as(g))
+
+
+def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
+    """Average the gradients of weights every rank holds whole (plain tensors, not DTensors: the dense weights with
+    ``fsdp_wrap`` "none") over ``group`` (all ranks), once a step after the last micro-step: what FSDP's reduce does
+    for them otherwise (each rank's loss is world_size x its share of the global mean). Summed in fp32 whatever the
+    gradients' dtype, as FSDP reduces, a bucket of up to ``REPLICATED_BUCKET`` elements per collective. Collective."""
+    world_size = dist.get_world_size(group)
+    grads = [p.grad for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if world_size == 1 or not grads:
+        return
+    bucket, size = [], 0
+    for g in grads:
+        if bucket and size + g.numel() > REPLICATED_BUCKET:
+            _all_reduce_flat(bucket, [group], torch.float32, world_size)
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel()
+    _all_reduce_flat(bucket, [group], torch.float32, world_size)
 
 
 def _copies_in_world(grad: torch.Tensor, world_size: int, sharded_group: dist.ProcessGroup | None) -> float:

@@ -36,12 +36,11 @@ from megablocks_utils.errors import InputError
 # per-layer FSDP hooks, which on the host cost ~1.5 ms a layer forward and ~1.2 ms backward at ep 2 (2 x H200,
 # Qwen3-30B-A3B's shape, where the host paces the step: bench/trace_gaps.py, bench/reports/ep2_host_h200x2_2026-11-27.md).
 # "none": no FSDP on the dense weights: every rank holds them whole in the compute dtype (--optim adamw_bf16) and their
-# gradients are averaged over the ranks once a step (``replicated_grads.ReplicatedGradSync``); only where ep = world size
+# gradients are averaged over the ranks once a step (``grads.average_replicated_grads``); only where ep = world size
 # (the experts then stay out of FSDP too). Nothing of FSDP runs inside a micro-step, so it can be a CUDA graph
 # (train/cuda_graph.py); it costs the dense weights' full size, gradients and optimizer state on every rank.
 FSDP_WRAPS = ("layer", "model", "none")
-# Elements per collective of ``replicated_grads.average_replicated_grads`` ("none" under whole-micro-step graphs): its
-# fp32 staging buffer is at most 256 MiB.
+# Elements per collective of ``grads.average_replicated_grads`` ("none"): its fp32 staging buffer is at most 256 MiB.
 REPLICATED_BUCKET = 1 << 26
 FSDP_UNITS_TEXT = {"layer": "each layer", "model": "the whole model", "none": "none, dense weights whole on every rank"}
 

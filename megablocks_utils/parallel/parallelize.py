@@ -19,7 +19,7 @@
    an expert's gradient holds only its own ep group's tokens, and each rank's loss is
    ``world_size`` times its share of the global mean (``grads.py``). With ``fsdp_wrap`` "none" (ep = world size,
    weights in the compute dtype) the dense weights stay whole on every rank instead, their gradients averaged once a
-   step by the script (``replicated_grads.ReplicatedGradSync``). Experts left out of FSDP (dp = 1: nothing
+   step by the script (``grads.average_replicated_grads``). Experts left out of FSDP (dp = 1: nothing
    to shard) get that division in the backward of the MoE layer's cast of their weights instead
    (``ExpertParallelExperts.grad_divisor``).
 

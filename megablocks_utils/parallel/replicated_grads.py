@@ -1,11 +1,10 @@
-"""The gradients of dense weights every rank holds whole (``fsdp_wrap`` "none"), averaged over the ranks: while the last
-micro-step's backward still runs (``ReplicatedGradSync``), or after it (``average_replicated_grads``: where the backward
-is a CUDA graph, and for the peer's adapters in bench/bench_peer_hf.py).
+"""The gradients of dense weights every rank holds whole (``fsdp_wrap`` "none"), averaged over the ranks while the last
+micro-step's backward still runs.
 
-Averaged after the backward, the all-reduce of ~0.85 B dense gradients is exposed: at ep 2 on 2 x H200 that made
-``fsdp_wrap none`` 15% slower than FSDP, whose reduce-scatter runs inside the backward
-(bench/reports/ep_levers_h200_2026-11-27e.md). Overlapped, each gradient, once autograd has added the last micro-step's
-part into it (``Tensor.register_post_accumulate_grad_hook``), marks its bucket ready; a ready bucket is summed in fp32 (as
+Averaged after the backward (``grads.average_replicated_grads``), the all-reduce of ~0.85 B dense gradients is exposed:
+at ep 2 on 2 x H200 that made ``fsdp_wrap none`` 15% slower than FSDP, whose reduce-scatter runs inside the backward
+(bench/reports/ep_levers_h200_2026-11-27e.md). Here each gradient, once autograd has added the last micro-step's part
+into it (``Tensor.register_post_accumulate_grad_hook``), marks its bucket ready; a ready bucket is summed in fp32 (as
 FSDP reduces) by an asynchronous all-reduce at once, beside the backward of the layers below it. Buckets are launched
 strictly in their order (the parameters' reverse order, about the order their gradients appear), so every rank issues
 the same collectives in the same order whatever its timing. ``finish`` waits for them, divides by the world size and
@@ -17,25 +16,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megablocks_utils.parallel.mesh import REPLICATED_BUCKET
-
 # Elements per bucket: small enough that the last buckets (the embedding's, ~0.3 B at Qwen3's vocabulary, is one of its
 # own) leave little to wait for after the backward, large enough for NCCL's bandwidth (64 MB in fp32).
 OVERLAP_BUCKET = 1 << 24
 
 
 class ReplicatedGradSync:
-    """Average the gradients of ``params`` (plain tensors every rank holds whole) over ``group``.
+    """Average the gradients of ``params`` (plain tensors every rank holds whole) over ``group`` during the backward.
 
-    ``overlap``: during the backward. Before each micro-step's backward the script calls ``arm(last)``: only the last
-    micro-step's hooks launch collectives (gradients add up over micro-steps first). After the micro-steps, ``finish()``.
-    Not for backwards captured in a CUDA graph (a hook there would launch its collective into the graph): there
-    ``overlap`` is off and ``finish()`` does it all, one bucket (of ``REPLICATED_BUCKET`` elements by default) in flight
-    at a time, so that one fp32 bucket is all it stages."""
+    Before each micro-step's backward the script calls ``arm(last)``: only the last micro-step's hooks launch collectives
+    (gradients add up over micro-steps first). After the micro-steps, ``finish()``. Not for backwards captured in a CUDA
+    graph (a hook there would launch its collective into the graph): ``MicroStepGraphs`` runs average afterwards."""
 
-    def __init__(self, params, group: dist.ProcessGroup | None, bucket_elements: int | None = None, overlap: bool = True):
-        bucket_elements = bucket_elements or (OVERLAP_BUCKET if overlap else REPLICATED_BUCKET)
-        self.overlap = overlap
+    def __init__(self, params, group: dist.ProcessGroup, bucket_elements: int = OVERLAP_BUCKET):
         self.group = group
         self.world_size = dist.get_world_size(group)
         params = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
@@ -50,7 +43,7 @@ class ReplicatedGradSync:
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
         self._reset()
-        if self.world_size > 1 and overlap:
+        if self.world_size > 1:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._ready)
 
@@ -81,20 +74,13 @@ class ReplicatedGradSync:
         self.launched.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def finish(self) -> None:
-        """After the micro-steps: launch what the hooks did not (every bucket without ``overlap``, a weight without a
-        gradient this step), wait for every bucket, and write the averages back into the gradients."""
+        """After the micro-steps: launch what the hooks did not (a weight without a gradient this step), wait for every
+        bucket, and write the averages back into the gradients."""
         if self.world_size == 1:
             return
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
-            if not self.overlap:
-                self._write_back()
-        self._write_back()
-        self.armed = False
-        self._reset()
-
-    def _write_back(self) -> None:
         for grads, flat, work in self.launched:
             if work is None:
                 continue
@@ -102,12 +88,5 @@ class ReplicatedGradSync:
             flat.div_(self.world_size)
             for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
-        self.launched = []
-
-
-def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
-    """Average the gradients of weights every rank holds whole (plain tensors, not DTensors) over ``group`` (all ranks),
-    once a step after the last micro-step: what FSDP's reduce does for them otherwise (each rank's loss is world_size x
-    its share of the global mean). Summed in fp32 whatever the gradients' dtype, as FSDP reduces, a bucket of up to
-    ``REPLICATED_BUCKET`` elements at a time. Collective."""
-    ReplicatedGradSync(parameters, group, overlap=False).finish()
+        self.armed = False
+        self._reset()
