@@ -164,6 +164,8 @@ def test_the_8bit_step_compiles_with_one_kernel_config_per_kernel(monkeypatch):
     weight = torch.nn.Parameter(torch.zeros(4096))
     optimizer = build_optimizer("adamw_torch_8bit", [{"params": [weight]}], lr=1e-3, betas=(0.9, 0.95))
     assert isinstance(optimizer, AdamW8bit) and type(optimizer).__name__ == "AdamW8bit"
+    again = build_optimizer("adamw_torch_8bit", [{"params": [weight]}], lr=1e-3, betas=(0.9, 0.95))
+    assert type(again) is type(optimizer)  # one subclass, whatever the number of optimizers built
     optimizer.step()
     assert seen == [(True, False)]
     assert (inductor_config.deterministic, inductor_config.triton.autotune_pointwise) == (False, True)  # restored
