@@ -45,34 +45,34 @@ TOKENS = (4, 64)  # per rank: 256 tokens, k = 2: 512 rows, about 256 for each of
 
 
 class ExchangeCalls:
-    """Counts the layer's calls of each exchange (the static one and the exact one)."""
+    """Counts the layer's calls of each exchange (the static one, in blocks or pulled, and the exact one)."""
 
     def __init__(self):
         self.static = self.exact = 0
-        self._static, self._exact = layer_module.static_exchange, layer_module.exchange
+        self._static, self._pull, self._exact = layer_module.static_exchange, layer_module.pull_exchange, layer_module.exchange
 
     def __enter__(self):
-        def static(*args, **kwargs):
-            self.static += 1
-            return self._static(*args, **kwargs)
+        def counted(fn, kind):
+            def call(*args, **kwargs):
+                setattr(self, kind, getattr(self, kind) + 1)
+                return fn(*args, **kwargs)
+            return call
 
-        def exact(*args, **kwargs):
-            self.exact += 1
-            return self._exact(*args, **kwargs)
-
-        layer_module.static_exchange, layer_module.exchange = static, exact
+        layer_module.static_exchange = counted(self._static, "static")
+        layer_module.pull_exchange = counted(self._pull, "static")
+        layer_module.exchange = counted(self._exact, "exact")
         return self
 
     def __exit__(self, *exc):
-        layer_module.static_exchange, layer_module.exchange = self._static, self._exact
+        layer_module.static_exchange, layer_module.pull_exchange, layer_module.exchange = self._static, self._pull, self._exact
 
 
-def train_step(reference, rank, factor, checkpointing="none", experts=False):
+def train_step(reference, rank, factor, checkpointing="none", experts=False, transport="auto"):
     """One forward (through ``run_exactly``) and backward of a fresh ep 2 copy; the loss, every gradient, whether the
     forward was rerun and the exchanges the forward and the backward called."""
     model = copy.deepcopy(reference)
     mesh = shard_moe(model, 2, device="cpu")
-    use_static_exchange(model, factor)
+    use_static_exchange(model, factor, transport)
     apply_activation_checkpointing(model, checkpointing, -1, experts)
     model.train()
     g = torch.Generator().manual_seed(rank)
@@ -102,7 +102,7 @@ def assert_same(run, exact, what):
         assert torch.equal(grads[name], grad), (what, name, float((grads[name] - grad).abs().max()))
 
 
-def check_static_exchange_is_exact(rank, world):
+def check_static_exchange_is_exact(rank, world, transport):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -112,26 +112,28 @@ def check_static_exchange_is_exact(rank, world):
     exact = train_step(reference, rank, 0.0)
     assert exact[2:] == (False, (0, layers), (0, 0)), exact[2:]
 
-    kept = train_step(reference, rank, NO_OVERFLOW)
+    kept = train_step(reference, rank, NO_OVERFLOW, transport=transport)
     assert_same(kept, exact, "no overflow")
     assert kept[2:] == (False, (layers, 0), (0, 0)), kept[2:]
 
-    rerun = train_step(reference, rank, OVERFLOW)
+    rerun = train_step(reference, rank, OVERFLOW, transport=transport)
     assert_same(rerun, exact, "overflow, rerun")
     assert rerun[2:] == (True, (layers, layers), (0, 0)), rerun[2:]
 
     for checkpointing, experts in (("full", False), ("none", True)):
         exact_ac = train_step(reference, rank, 0.0, checkpointing, experts)
-        kept_ac = train_step(reference, rank, NO_OVERFLOW, checkpointing, experts)
+        kept_ac = train_step(reference, rank, NO_OVERFLOW, checkpointing, experts, transport)
         assert_same(kept_ac, exact_ac, f"{checkpointing}, experts {experts}, no overflow")
         assert kept_ac[2:] == (False, (layers, 0), (layers, 0)), (checkpointing, kept_ac[2:])  # recomputed static
-        rerun_ac = train_step(reference, rank, OVERFLOW, checkpointing, experts)
+        rerun_ac = train_step(reference, rank, OVERFLOW, checkpointing, experts, transport)
         assert_same(rerun_ac, exact_ac, f"{checkpointing}, experts {experts}, overflow, rerun")
         assert rerun_ac[2:] == (True, (layers, layers), (0, layers)), (checkpointing, rerun_ac[2:])  # recomputed exactly
 
 
-def test_static_exchange_gives_the_exact_loss_and_gradients_and_reruns_an_overflow():
-    run_ranks(check_static_exchange_is_exact, 2)
+@pytest.mark.parametrize("transport", ["all_to_all", "gathered"])
+def test_static_exchange_gives_the_exact_loss_and_gradients_and_reruns_an_overflow(transport):
+    """Both transports: blocks through the all-to-all, and rows pulled from the peers' (here all-gathered) buffers."""
+    run_ranks(check_static_exchange_is_exact, 2, transport)
 
 
 def deferred_step(reference, rank, factor):
@@ -210,8 +212,13 @@ def check_settings(rank, world):
     shard_moe(gpt_oss, 2, device="cpu")
     with pytest.raises(ValueError, match="bias.*--ep_capacity_factor 0"):
         use_static_exchange(gpt_oss, 2.0)
-    assert "static blocks" in use_static_exchange(model, 2.0)
+    with pytest.raises(ValueError, match="choose one of auto, pull"):
+        use_static_exchange(model, 2.0, "nvlink")
+    assert "read from the peers' all-gathered" in use_static_exchange(model, 2.0, "gathered")
+    assert exchange_mode(model).transport == "gathered"
+    assert "static blocks" in use_static_exchange(model, 2.0)  # auto on CPU weights: the all-to-all
     mode = exchange_mode(model)
+    assert mode.transport == "all_to_all"
     assert mode is not None and all(block.experts.exchange_mode is mode for block in moe_blocks(model))
     dist.barrier()  # no rank leaves while another still connects the last mesh's groups (gloo: a broken pipe)
 

@@ -42,24 +42,46 @@ from megablocks_utils.moe.layer import ExpertParallelExperts
 T = TypeVar("T")
 
 
-class ExchangeMode:
-    """One model's static exchange: the capacity factor, whether the layers must take the exact exchange (``exact``)
-    and the overflow flags its layers added since the last arm (``flags``). Reruns are counted by the caller
-    (``run_exactly`` says whether it reran: StepLoss puts them in the step's record)."""
+# How the static exchange moves rows (``use_static_exchange``'s ``transport``): "pull" reads them from the peers' GPU
+# memory (``pull_exchange``: the exact bytes, a receiver's capacity in all), "all_to_all" sends fixed blocks through the
+# process group (``static_exchange``: padding on the wire, a capacity per pair of ranks), "gathered" is "pull" over
+# all-gathered copies (any backend: the CPU tests'). "auto": "pull" where the experts are on a GPU, else "all_to_all".
+TRANSPORTS = ("auto", "pull", "all_to_all", "gathered")
 
-    def __init__(self, capacity_factor: float):
+
+class ExchangeMode:
+    """One model's static exchange: the capacity factor, the transport (``TRANSPORTS``), whether the layers must take
+    the exact exchange (``exact``) and the overflow flags its layers added since the last arm (``flags``). Reruns are
+    counted by the caller (``run_exactly`` says whether it reran: StepLoss puts them in the step's record)."""
+
+    def __init__(self, capacity_factor: float, transport: str = "all_to_all"):
         self.capacity_factor = capacity_factor
+        self.transport = transport
         self.exact = False
         self.flags: list[torch.Tensor] = []
+        self._gathered: dict[str, object] = {}
+
+    def peers(self, group: dist.ProcessGroup):
+        """What ``pull_exchange`` reads from: None (symmetric memory, made there) or, for "gathered", this group's
+        ``GatheredPeers``."""
+        if self.transport != "gathered":
+            return None
+        if group.group_name not in self._gathered:
+            from megablocks_utils.moe.pull_exchange import GatheredPeers
+
+            self._gathered[group.group_name] = GatheredPeers(group)
+        return self._gathered[group.group_name]
 
 
 # The modes of live models: while there is none, ``run_exactly`` looks for nothing (the default run's host time).
 _LIVE_MODES: "weakref.WeakSet[ExchangeMode]" = weakref.WeakSet()
 
 
-def use_static_exchange(model: nn.Module, capacity_factor: float) -> str:
+def use_static_exchange(model: nn.Module, capacity_factor: float, transport: str = "auto") -> str:
     """Give every MoE layer of the built model (after ``shard_moe``) one shared ``ExchangeMode`` of ``capacity_factor``
-    (0: nothing changes). Returns a line for the launch print ("" when off)."""
+    (0: nothing changes) and ``transport`` (``TRANSPORTS``). Returns a line for the launch print ("" when off)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
     if capacity_factor < 0:
         raise ValueError(f"ep_capacity_factor={capacity_factor}: give 0 (the exact exchange) or a positive factor")
     if capacity_factor == 0:
@@ -72,12 +94,18 @@ def use_static_exchange(model: nn.Module, capacity_factor: float) -> str:
         raise ValueError("ep_capacity_factor > 0 does not support experts with a bias (gpt-oss); use --ep_capacity_factor 0")
     if not experts or experts[0].ep_size == 1:
         return f"ep_capacity_factor {capacity_factor:g}: no effect at ep 1 (no expert exchange)"
-    mode = ExchangeMode(capacity_factor)
+    if transport == "auto":
+        transport = "pull" if experts[0].gate_up_proj.device.type == "cuda" else "all_to_all"
+    mode = ExchangeMode(capacity_factor, transport)
     _LIVE_MODES.add(mode)
     for e in experts:
         e.exchange_mode = mode
-    return (f"expert exchange: static blocks of {capacity_factor:g} x a peer's mean share of rows, a micro-step that "
-            "overflows rerun exactly (exchange_reruns in metrics.jsonl)")
+    if transport == "all_to_all":
+        way = f"static blocks of {capacity_factor:g} x a peer's mean share of rows through all-to-all"
+    else:
+        way = (f"each rank receives at most {capacity_factor:g} x its mean rows, read from the peers' "
+               f"{'GPU memory (symmetric memory)' if transport == 'pull' else 'all-gathered buffers'}")
+    return f"expert exchange: {way}, no host sync; a micro-step that overflows reruns exactly (exchange_reruns in metrics.jsonl)"
 
 
 def exchange_mode(model: nn.Module) -> ExchangeMode | None:

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from megablocks_utils.moe.dispatch import Route, combine, dispatch, exchange, route
 from megablocks_utils.moe.expert_weights import ExpertWeights
 from megablocks_utils.moe.experts import LocalExperts
+from megablocks_utils.moe.pull_exchange import pull_capacity, pull_exchange
 from megablocks_utils.moe.router import TopKRouter
 from megablocks_utils.moe.static_exchange import static_capacity, static_exchange
 from megablocks_utils.parallel.mesh import MoEMesh
@@ -167,10 +168,16 @@ class ExpertParallelExperts(ExpertWeights):
         mode = self.exchange_mode
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
             out = self.compute(routed, r.counts)
-        elif mode is not None and not mode.exact:  # fixed blocks, no host sync; the mode checks overflow
+        elif mode is not None and not mode.exact and mode.transport == "all_to_all":  # fixed blocks, no host sync
             capacity = static_capacity(num_tokens, k, ep, mode.capacity_factor)
             out, overflow = static_exchange(routed, r.counts, ep, self.num_local_experts, self._ep_group(),
                                             self.compute_valid_rows, capacity)
+            mode.flags.append(overflow)  # the mode checks overflow
+        elif mode is not None and not mode.exact:  # rows read from the peers: exact bytes, fixed shapes, no host sync
+            group = self._ep_group()
+            capacity = pull_capacity(num_tokens, k, ep, mode.capacity_factor)
+            out, overflow = pull_exchange(routed, r.counts, ep, self.num_local_experts, group, self.compute_valid_rows,
+                                          capacity, mode.peers(group))
             mode.flags.append(overflow)
         else:
             out = exchange([routed], [r.counts], ep, self.num_local_experts, self._ep_group(), self.compute)[0]
