@@ -1,0 +1,131 @@
+"""The static exchange read from the peers' GPU memory (``moe/pull_exchange.py``, symmetric memory) moves the same bits
+as the same exchange over all-gathered copies, and gives what the exact exchange gives.
+
+Three MoE layers' experts in a row at ep 2 on two GPUs (NCCL), bf16 grouped GEMMs, skewed routing (uneven rows both
+ways), every layer's exchange through one set of shared buffers (the A/B alternation under test: each layer's trip out
+writes buffer A while the backward of the layer after it is still to come), forward then backward, twice:
+- ``SymmetricPeers`` against ``GatheredPeers`` (the CPU tests' transport, here over NCCL): outputs, the input's gradient
+  and every expert weight's gradient equal to the bit (both transports hand the same rows to the same kernels);
+- against ``dispatch.exchange`` (NCCL's all-to-all, the exact rows only): within 2e-2 relative (the grouped GEMM's
+  output over padded rows may tile otherwise; measured on the first run: see the assertion's message);
+- a capacity that cuts: the overflow flag set on both ranks;
+- the whole layer stack captured in one CUDA graph and replayed on new inputs equals the same stack run eagerly.
+"""
+
+import pytest
+import torch
+
+from .launch import gpus, run_on_gpus
+
+pytestmark = gpus(2)
+
+EXPERTS, HIDDEN, INTER, TOKENS, K, LAYERS = 16, 512, 256, 2048, 4, 3
+
+
+def measure(rank, world):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+    from megablocks_utils.moe.pull_exchange import GatheredPeers, pull_capacity, pull_exchange
+
+    group = dist.group.WORLD
+    local = EXPERTS // world
+    mesh = SimpleNamespace(ep_size=world, ep_group=group)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    layers = []
+    for _ in range(LAYERS):
+        experts = ExpertParallelExperts(EXPERTS, mesh, "silu")
+        experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen))
+                              for s in [(local, 2 * INTER, HIDDEN), (local, HIDDEN, INTER)]))
+        layers.append(experts)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    routes = [(torch.rand(TOKENS, K, device="cuda", generator=gen).square() * EXPERTS).long() for _ in range(LAYERS)]
+    weights = [torch.rand(TOKENS, K, device="cuda", generator=gen).softmax(-1) for _ in range(LAYERS)]
+    gathered = GatheredPeers(group)
+
+    def stack(inputs, how, capacity):
+        """The layers in a row, each through ``how`` ("symmetric", "gathered" or "exact"); output and overflow flags."""
+        h, flags = inputs, []
+        for experts, top_i, top_w in zip(layers, routes, weights):
+            r = route(top_i, EXPERTS)
+            routed = dispatch(h, r, K, True)
+            if how == "exact":
+                out = exchange([routed], [r.counts], world, local, group, experts.compute)[0]
+            else:
+                out, flag = pull_exchange(routed, r.counts, world, local, group, experts.compute_valid_rows, capacity,
+                                          gathered if how == "gathered" else None)
+                flags.append(flag)
+            h = h + combine(out, r, top_w, h.dtype, True)
+        return h, flags
+
+    def run(how, capacity=pull_capacity(TOKENS, K, world, float(world))):
+        for e in layers:
+            e.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_(True)
+        results = []
+        for _ in range(2):  # the second pass adds into the weights' gradients
+            out, flags = stack(leaf, how, capacity)
+            out.float().square().sum().backward()
+            results.append(out.detach())
+        torch.cuda.synchronize()
+        return [*results, leaf.grad, *(p.grad.clone() for e in layers for p in (e.gate_up_proj, e.down_proj))], flags
+
+    run("symmetric")  # warm-up: compiles the element-wise kernels, makes the shared buffers
+    symmetric, flags = run("symmetric")
+    via_gather, _ = run("gathered")
+    exact, _ = run("exact")
+    _, cut_flags = run("symmetric", capacity=128)
+
+    # One CUDA graph of the forward (a fixed input buffer), replayed on a new input, against eager.
+    static_in = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        stack(static_in, "symmetric", pull_capacity(TOKENS, K, world, float(world)))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out, _ = stack(static_in, "symmetric", pull_capacity(TOKENS, K, world, float(world)))
+    new_in = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    static_in.copy_(new_in)
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        eager_out, _ = stack(new_in, "symmetric", pull_capacity(TOKENS, K, world, float(world)))
+    relative = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(symmetric, exact)]
+    return {
+        "equal_gathered": [bool(torch.equal(a, b)) for a, b in zip(symmetric, via_gather)],
+        "relative_exact": relative,
+        "finite_nonzero": [bool(t.isfinite().all() and t.abs().sum() > 0) for t in symmetric],
+        "overflow": [bool(f) for f in flags],
+        "cut_overflow": [bool(f) for f in cut_flags],
+        "graph_equal": bool(torch.equal(static_out, eager_out)),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_gpus(measure, 2)
+
+
+def test_symmetric_memory_moves_the_same_bits_as_gathered_copies(results):
+    for r in results:
+        assert r["finite_nonzero"] == [True] * len(r["finite_nonzero"]), r
+        assert r["equal_gathered"] == [True] * len(r["equal_gathered"]), r
+        assert r["overflow"] == [False] * 3, r
+
+
+def test_pulled_rows_give_the_exact_exchange_result(results):
+    for r in results:
+        assert max(r["relative_exact"]) <= 2e-2, r["relative_exact"]
+
+
+def test_a_cut_is_flagged_on_every_rank(results):
+    assert [r["cut_overflow"] for r in results] == [[True] * 3, [True] * 3], results
+
+
+def test_a_graph_of_the_stack_replays_what_eager_computes(results):
+    assert all(r["graph_equal"] for r in results), results
