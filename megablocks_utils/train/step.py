@@ -89,6 +89,9 @@ class StepLoss:
     def add(self, numbers: dict, batch: dict) -> None:
         """Add a micro-batch's ``numbers`` (``loss_and_numbers``) and its host-side counts to the step's sums."""
         if "exchange_overflow" in numbers:  # defer_overflow: kept apart from the sums (a device bool, ORed)
+            # A micro-step replayed from a CUDA graph never ran loss_and_numbers: its record still says "no rerun" (the
+            # script counts a rerun step's micro-steps itself).
+            self.sums.exchange_reruns = self.sums.exchange_reruns or 0
             numbers = dict(numbers)
             overflow = numbers.pop("exchange_overflow")
             self.overflow = overflow.clone() if self.overflow is None else self.overflow | overflow
