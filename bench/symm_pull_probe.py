@@ -76,6 +76,9 @@ def main() -> None:
     runs_row = (torch.arange(world * per, device=device) % per + rank * per).to(torch.int32)
     target = torch.empty(world * per, h, dtype=torch.bfloat16, device=device)
     out["pull_ms"] = timed(lambda: pull_rows(table, runs_rank, runs_row, target), args.repeats)
+    # The kernel's choices of columns per step and warps per program (pull_kernel.BLOCK_COLUMNS, WARPS: the default).
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (512, 2)):
+        out[f"pull_ms_{block}x{warps}"] = timed(lambda: pull_rows(table, runs_rank, runs_row, target, block, warps), args.repeats)
     send = torch.randn(world * per, h, device=device).to(torch.bfloat16)
     recv = torch.empty_like(send)
     out["nccl_all_to_all_ms"] = timed(lambda: dist.all_to_all_single(recv, send, group=group), args.repeats)

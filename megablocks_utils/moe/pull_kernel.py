@@ -12,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024  # columns per step: 4 warps x 32 threads x 8 (16-byte bf16 loads)
+# Columns per step and warps per program: a bf16 row of Qwen3-30B-A3B (H 2048) in one step of 8 warps x 32 threads x 8
+# (16-byte loads). The nineteenth session's first try, 1024 columns x 4 warps, read 200 GB/s from three peers on 4 x H200
+# (bench/symm_pull_probe.py times the choices).
+BLOCK_COLUMNS, WARPS = 2048, 8
 
 
 @triton.jit
@@ -30,11 +33,12 @@ def _pull_rows_kernel(table_ptr, src_rank_ptr, src_row_ptr, out_ptr, H, BLOCK_H:
         tl.store(out_ptr + row * H + cols, values, mask=cols < H)
 
 
-def pull_rows(table: torch.Tensor, src_rank: torch.Tensor, src_row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def pull_rows(table: torch.Tensor, src_rank: torch.Tensor, src_row: torch.Tensor, out: torch.Tensor,
+              block: int = BLOCK_COLUMNS, warps: int = WARPS) -> torch.Tensor:
     """Fill ``out`` [N, H] (contiguous) with row ``src_row[i]`` of the buffer whose address is ``table[src_rank[i]]``
     (int64 addresses of [*, H] buffers of ``out``'s dtype; ``src_rank`` in range for every row, ``src_row`` < 0 for a
-    zero row). Returns ``out``."""
+    zero row). Returns ``out``. ``block``, ``warps``: columns per step and warps per program (the probe's choices)."""
     n, h = out.shape
     if n:
-        _pull_rows_kernel[(n,)](table, src_rank, src_row, out, h, BLOCK_H=min(_BLOCK, triton.next_power_of_2(h)), num_warps=4)
+        _pull_rows_kernel[(n,)](table, src_rank, src_row, out, h, BLOCK_H=min(block, triton.next_power_of_2(h)), num_warps=warps)
     return out
