@@ -285,7 +285,7 @@ plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, op
                        activation_checkpointing="full" if args.activation_checkpointing else "none",
                        # Trainer's activation_checkpointing_kwargs {"every_n_layers": n} checkpoints layers 0, n, 2n, ...
                        activation_checkpointing_layers=len(range(0, load_config(model_name_or_path).num_hidden_layers, every_n)),
-                       chunked_loss=chunked_loss)
+                       chunked_loss=chunked_loss, ep_capacity_factor=ep_capacity_factor)
 check_fit(plan, torch.cuda.get_device_properties(device).total_memory if use_cuda else 0)  # too big for the GPU: every rank stops
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.

@@ -272,7 +272,7 @@ plan_for = functools.partial(
     per_device_train_batch_size=per_device_train_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
     activation_checkpointing=activation_checkpointing, activation_checkpointing_layers=activation_checkpointing_layers,
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
-    chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts)
+    chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts, ep_capacity_factor=ep_capacity_factor)
 # FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
 fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep, replicated=segments_planned)
 plan = plan_for(fsdp_wrap=fsdp_wrap)

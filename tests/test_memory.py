@@ -268,6 +268,23 @@ def test_checkpointing_keeps_less_and_activations_grow_with_tokens():
     assert full < 32 * 4096 * 2 * 4096 + none / 32 * 2
 
 
+def test_the_static_exchange_holds_its_capacity_of_rows_and_two_buffers():
+    """With ``ep_capacity_factor`` F above the imbalance allowance every MoE layer's received rows (rows in, gate_up and
+    SwiGLU outputs: bf16, k copies a token) are F x the mean, padding included, plus the two shared buffers (rows sent,
+    F x rows received); at ep 1 and at 0 nothing changes; a factor under the allowance changes only the buffers."""
+    config = load_config(os.path.join(CONFIGS, "qwen3-30b-a3b"))
+    plan = dict(world_size=4, ep_size=4, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1)
+    exact, static = (estimate_memory(config, **plan, ep_capacity_factor=f) for f in (0.0, 3.0))
+    k, h, inter, layers, tokens = 8, 2048, 768, 48, 4096
+    grown = (3.0 - memory_plan.EXPERT_LOAD_IMBALANCE) * 2 * k * (h + 2 * inter + inter) * tokens * layers
+    buffers = 2 * h * k * tokens * (1 + 3.0)
+    assert static.activations - exact.activations == pytest.approx(grown + buffers, rel=0.02)
+    assert estimate_memory(config, **{**plan, "world_size": 1, "ep_size": 1}, ep_capacity_factor=3.0).activations == \
+        estimate_memory(config, **{**plan, "world_size": 1, "ep_size": 1}).activations
+    low = estimate_memory(config, **plan, ep_capacity_factor=1.0)
+    assert low.activations - exact.activations == pytest.approx(2 * h * k * tokens * (1 + memory_plan.EXPERT_LOAD_IMBALANCE))
+
+
 def test_checkpointing_a_count_of_layers_keeps_the_rest():
     """Each layer left out of checkpointing keeps its full activations: the estimate moves by the same
     step per layer, from full on all 32 to none; a count of 0 is none, one above the model is refused."""

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="true or false: recompute the routed experts of the layers not checkpointed")
     parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=FSDP_WRAP_SETTINGS,
                         help="FSDP units of the dense weights: each decoder layer, the whole model at once, or auto (train_fsdp2.py's rule)")
+    parser.add_argument("--ep_capacity_factor", type=float, default=DEFAULTS["ep_capacity_factor"],
+                        help="> 0: the static expert exchange, each MoE layer's received rows fixed at this x the mean")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_target_modules=args.lora_target_modules,
             chunked_loss=chunked_loss,
             checkpoint_experts=checkpoint_experts,
+            ep_capacity_factor=args.ep_capacity_factor,
         )
         layer = plan_for(fsdp_wrap="layer")
         wrap = resolve_fsdp_wrap(args.fsdp_wrap, lambda w: plan_for(fsdp_wrap=w), args.gpu_memory_gib * 2**30, args.nproc, layer.ep)

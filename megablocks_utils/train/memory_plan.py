@@ -116,6 +116,7 @@ DEFAULTS = dict(
     chunked_loss=True,
     checkpoint_experts=False,
     fsdp_wrap="auto",
+    ep_capacity_factor=0.0,
 )
 
 
@@ -274,16 +275,24 @@ def count_params(config) -> ParamCounts:
 
 
 # ----------------------------------------------------------------------------- activations
-def _expert_activation_bytes(s: _Shape) -> float:
+def _expert_activation_bytes(s: _Shape, received: float = EXPERT_LOAD_IMBALANCE) -> float:
     """Bytes per token a MoE layer's routed experts save for their backward: the k routed copies of the input, gate_up's
-    output, the SwiGLU output, and the k outputs the weighted sum keeps (what ``checkpoint_experts`` recomputes)."""
+    output, the SwiGLU output, and the k outputs the weighted sum keeps (what ``checkpoint_experts`` recomputes).
+    ``received``: the rows the busiest rank's experts hold, over the mean (``received_rows``)."""
     h, k = s.hidden, s.top_k
     rows_in, gate_up, swiglu = ACT * k * h, ACT * k * 2 * s.expert_inter, ACT * k * s.expert_inter
     back_home = ACT * k * h  # expert outputs returned by the all-to-all, saved by the weighted sum
-    return EXPERT_LOAD_IMBALANCE * (rows_in + gate_up + swiglu) + back_home
+    return received * (rows_in + gate_up + swiglu) + back_home
 
 
-def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
+def received_rows(ep: int, capacity_factor: float) -> float:
+    """Rows a rank's experts hold over the mean: ``EXPERT_LOAD_IMBALANCE`` on the exact exchange, and the static
+    exchange's fixed capacity where it is larger (``ep_capacity_factor``: every layer's shapes are that many rows,
+    padding included)."""
+    return max(EXPERT_LOAD_IMBALANCE, capacity_factor) if ep > 1 and capacity_factor > 0 else EXPERT_LOAD_IMBALANCE
+
+
+def _layer_activation_bytes(s: _Shape, moe: bool, mode: str, received: float = EXPERT_LOAD_IMBALANCE) -> float:
     """Bytes one token's activations in one decoder layer hold until its backward ("none": what autograd
     saves; "selective": matmul, grouped-GEMM, communication and attention outputs; "full": the layer input;
     "experts": "none" less the routed experts', which are recomputed)."""
@@ -305,12 +314,12 @@ def _layer_activation_bytes(s: _Shape, moe: bool, mode: str) -> float:
     if mode in ("none", "experts"):
         norms = 2 * (NORM_SAVED * h + NORM_ROW + ACT * h)  # each norm's input and its output (the next matmul's input)
         attention = NORM_SAVED * qk_norm_elems + sdpa + ACT * q  # + o_proj's input (the output made contiguous)
-        experts = _expert_activation_bytes(s) if moe and mode == "none" else 0.0
+        experts = _expert_activation_bytes(s, received) if moe and mode == "none" else 0.0
         mlp = ACT * 4 * mlp_inter + gate  # gate and up outputs, silu(gate), their product
         return norms + attention + router + experts + mlp
     # selective: element-wise work (norms, rotary, SwiGLU, residual adds, weighting) is recomputed
     inputs = ACT * h + ACT * h  # the layer input and o_proj's output (from which the residual is recomputed)
-    experts = EXPERT_LOAD_IMBALANCE * (rows_in + gate_up) + back_home
+    experts = received * (rows_in + gate_up) + back_home
     mlp = ACT * 2 * mlp_inter + (ACT * h if mlp_inter else 0)  # gate and up outputs, down's output
     return inputs + ACT * (q + 2 * kv) + ACT * q + SDPA_LSE * s.heads + router + experts + mlp + gate
 
@@ -325,24 +334,26 @@ def _uncheckpointed_moe_layers(config, mode: str, checkpointed: int) -> int:
     return sum(1 for i in range(s.layers) if i in s.moe_layers and i not in chosen)
 
 
-def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1, experts: bool = False) -> float:
+def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1, experts: bool = False,
+                     received: float = EXPERT_LOAD_IMBALANCE) -> float:
     """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart), with
     ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest, the rest's
-    routed experts recomputed with ``experts`` (``checkpoint_experts``)."""
+    routed experts recomputed with ``experts`` (``checkpoint_experts``); ``received``: ``received_rows``."""
     s = _shape(config)
     is_moe = [i in s.moe_layers for i in range(s.layers)]
     chosen = _checkpointed(s, mode, checkpointed)
     rest = "experts" if experts else "none"
-    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else rest) for i, moe in enumerate(is_moe))
-    full_layer = max(_layer_activation_bytes(s, moe, "none") for moe in set(is_moe))
+    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else rest, received) for i, moe in enumerate(is_moe))
+    full_layer = max(_layer_activation_bytes(s, moe, "none", received) for moe in set(is_moe))
     recompute = 0.0  # the layer whose backward runs, recomputed to its "none" activations
     recomputed = {is_moe[i] for i in chosen}
     if mode == "full" and recomputed:
-        recompute = max(_layer_activation_bytes(s, moe, "none") for moe in recomputed)
+        recompute = max(_layer_activation_bytes(s, moe, "none", received) for moe in recomputed)
     elif mode == "selective" and recomputed:
-        recompute = max(_layer_activation_bytes(s, moe, "none") - _layer_activation_bytes(s, moe, "selective") for moe in recomputed)
+        recompute = max(_layer_activation_bytes(s, moe, "none", received) - _layer_activation_bytes(s, moe, "selective", received)
+                        for moe in recomputed)
     if experts and any(moe and i not in chosen for i, moe in enumerate(is_moe)):  # one layer's experts, recomputed
-        recompute = max(recompute, _expert_activation_bytes(s))
+        recompute = max(recompute, _expert_activation_bytes(s, received))
     final_norm = NORM_SAVED * s.hidden + NORM_ROW + ACT * s.hidden  # and its output, lm_head's input
     return tokens * (kept + recompute + BACKWARD_WORKING_LAYERS * full_layer + final_norm)
 
@@ -370,6 +381,7 @@ class Plan:
     chunked_loss: bool = True  # the loss inside lm_head's forward, over chunks of rows (train/loss.py)
     checkpoint_experts: bool = False  # the routed experts of layers not checkpointed are recomputed
     fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallel/mesh.FSDP_WRAPS)
+    ep_capacity_factor: float = 0.0  # > 0: the static exchange, every MoE layer's received rows at this x the mean
 
 
 @dataclass
@@ -462,6 +474,7 @@ def estimate_memory(
     chunked_loss: bool = True,
     checkpoint_experts: bool = False,
     fsdp_wrap: str = "layer",
+    ep_capacity_factor: float = 0.0,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     if fsdp_wrap not in FSDP_WRAPS:
@@ -486,6 +499,7 @@ def estimate_memory(
         chunked_loss=chunked_loss,
         checkpoint_experts=checkpoint_experts,
         fsdp_wrap=fsdp_wrap,
+        ep_capacity_factor=ep_capacity_factor,
     )
     return _estimate(config, plan)
 
@@ -632,7 +646,10 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
         accumulated = ACCUMULATED_GRAD_BYTES * (trained.dense + (trained.expert / ep if replicated else 0))
 
     tokens = plan.per_device_train_batch_size * plan.max_length
-    activations = activation_bytes(config, tokens, mode, checkpointed, plan.checkpoint_experts)
+    received = received_rows(ep, plan.ep_capacity_factor)
+    activations = activation_bytes(config, tokens, mode, checkpointed, plan.checkpoint_experts, received)
+    if ep > 1 and plan.ep_capacity_factor > 0:  # the static exchange's two shared buffers: rows sent, rows received
+        activations += COMPUTE_BYTES * counts.hidden * counts.top_k * tokens * (1 + received)
     if lora is not None:
         activations += _adapter_activation_bytes(config, lora, tokens, mode, checkpointed, plan.lora_dropout, plan.checkpoint_experts)
     logits = _logits_bytes(config, plan, counts, tokens)
