@@ -30,7 +30,7 @@ output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF mode
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
-ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange in fixed blocks of this x a peer's mean rows, no host sync; a micro-step that overflows reruns exactly (under CUDA graphs: the step) (0: the exact exchange)
+ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (under CUDA graphs: the step) (0: the exact exchange)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
 finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in the compute dtype, adapters train; final/ is a PEFT adapter)
