@@ -281,6 +281,9 @@ def test_the_static_exchange_holds_its_capacity_of_rows_and_two_buffers():
     assert static.activations - exact.activations == pytest.approx(grown + buffers, rel=0.02)
     assert estimate_memory(config, **{**plan, "world_size": 1, "ep_size": 1}, ep_capacity_factor=3.0).activations == \
         estimate_memory(config, **{**plan, "world_size": 1, "ep_size": 1}).activations
+    capped = estimate_memory(config, **plan, ep_capacity_factor=9.0)  # a receiver never holds more than ep x the mean
+    assert capped.activations - exact.activations == pytest.approx(
+        (4.0 - memory_plan.EXPERT_LOAD_IMBALANCE) / (3.0 - memory_plan.EXPERT_LOAD_IMBALANCE) * grown + buffers * 5 / 4, rel=0.02)
     low = estimate_memory(config, **plan, ep_capacity_factor=1.0)
     assert low.activations - exact.activations == pytest.approx(2 * h * k * tokens * (1 + memory_plan.EXPERT_LOAD_IMBALANCE))
 

@@ -288,8 +288,10 @@ def _expert_activation_bytes(s: _Shape, received: float = EXPERT_LOAD_IMBALANCE)
 def received_rows(ep: int, capacity_factor: float) -> float:
     """Rows a rank's experts hold over the mean: ``EXPERT_LOAD_IMBALANCE`` on the exact exchange, and the static
     exchange's fixed capacity where it is larger (``ep_capacity_factor``: every layer's shapes are that many rows,
-    padding included)."""
-    return max(EXPERT_LOAD_IMBALANCE, capacity_factor) if ep > 1 and capacity_factor > 0 else EXPERT_LOAD_IMBALANCE
+    padding included; never more than ep, every rank's rows, as ``pull_capacity`` caps it)."""
+    if ep > 1 and capacity_factor > 0:
+        return min(float(ep), max(EXPERT_LOAD_IMBALANCE, capacity_factor))
+    return EXPERT_LOAD_IMBALANCE
 
 
 def _layer_activation_bytes(s: _Shape, moe: bool, mode: str, received: float = EXPERT_LOAD_IMBALANCE) -> float:
