@@ -33,24 +33,18 @@ class ExpertParallelExperts(ExpertWeights):
     sharded over "ep") and the forward that sends each token's k copies to them and back.
 
     ``act_fn`` is a transformers activation name, or "gpt_oss_swiglu" (clamped, with ``alpha`` and ``limit``);
-    ``transposed``, ``interleaved`` and ``bias``: the weights' layout (``ExpertWeights``).
-
-    Settings, given at construction:
+    ``transposed``, ``interleaved`` and ``bias``: the weights' layout (``ExpertWeights``). Settings, given at construction:
     ``force_loop``: the local experts as the per-expert loop even where grouped GEMMs run (tests compare the two).
     ``compile_elementwise``: on CUDA, torch.compile the GLU (SiLU * up, gpt-oss's clamped SwiGLU) and the cast's
     gradient division (``fused.py``), and run the weighted combine of the k outputs (both ways) and the dispatch's
     backward as our Triton kernels (``gather_kernels.py``).
     ``overlap_chunks``: with ep > 1, tokens in this many chunks, one's all-to-all beside another's experts (forward).
-    ``exchange_mode`` (set by ``exchange_mode.use_static_exchange``, the scripts' ``ep_capacity_factor``; None: off): at
-    ep > 1 with one chunk, the exchange in fixed blocks (``static_exchange``) unless the mode asks for the exact one;
-    each layer adds its overflow flag to the mode, which reruns an overflowed forward exactly.
-
-    ``recompute`` (set by ``apply_activation_checkpointing``, the scripts' ``checkpoint_experts``): the forward keeps
-    only its inputs and reruns itself in the backward (torch.utils.checkpoint, non-reentrant). What it saves otherwise,
-    per token and layer at Qwen3-30B-A3B's shape (k = 8): the k routed copies of the input, gate_up's output, the
-    SwiGLU output and the k expert outputs, some 100 KB in bf16 (measured), about 60% of a layer's activations, for about a
-    quarter of the layer's forward work recomputed (the expert GEMMs and their dispatch: no attention, no dense
-    GEMM). Under LoRA that is the cheapest memory a layer has to give.
+    ``exchange_mode`` (``exchange_mode.use_static_exchange``, the scripts' ``ep_capacity_factor``; None: off): at ep > 1
+    with one chunk, the exchange at fixed shapes (``pull_exchange`` or ``static_exchange``, by the mode's transport)
+    unless the mode asks for the exact one; the layer adds its overflow flag to the mode, which reruns exactly.
+    ``recompute`` (``apply_activation_checkpointing``, the scripts' ``checkpoint_experts``): the forward keeps only its
+    inputs and reruns in the backward (non-reentrant checkpoint): at Qwen3-30B-A3B's shape some 100 KB a token of a
+    layer's ~163 (routed copies, gate_up and SwiGLU outputs, expert outputs) for a quarter of its forward work.
     """
 
     def __init__(
@@ -161,7 +155,7 @@ class ExpertParallelExperts(ExpertWeights):
 
     def receive(self, r: Route, routed: torch.Tensor, top_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rest, from ``send``'s outputs (all tokens, one chunk): the copies to the ep ranks owning their experts and
-        back (ep > 1: the exact exchange, or fixed blocks under ``exchange_mode``), weighted by ``top_w`` and summed
+        back (ep > 1: the exact exchange, or fixed shapes under ``exchange_mode``), weighted by ``top_w`` and summed
         into one row per token, in ``dtype``."""
         num_tokens, k = top_w.shape
         ep = self.ep_size
