@@ -77,7 +77,7 @@ def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attent
             return (f"{world_size} ranks at ep {ep_size}: FSDP shards the experts over dp, in hooks between the kernels; "
                     f"graphs on several GPUs need ep = world size ({world_size})")
         if not static_exchange:
-            return ("the exact expert exchange sizes its all-to-all on the host at every layer; --ep_capacity_factor 1.25 "
+            return ("the exact expert exchange sizes its all-to-all on the host at every layer; --ep_capacity_factor 2 "
                     "(the static exchange, moe/exchange_mode.py) allows graphs")
         if fsdp:
             return ("FSDP gathers and reduces the dense weights in hooks between the kernels; --fsdp_wrap none (dense weights "
