@@ -223,6 +223,19 @@ def check_settings(rank, world):
     dist.barrier()  # no rank leaves while another still connects the last mesh's groups (gloo: a broken pipe)
 
 
+def test_auto_reads_peers_memory_only_on_gpus_within_one_node():
+    from megablocks_utils.moe.exchange_mode import choose_transport
+
+    assert choose_transport("auto", "cuda", 4, 8) == "pull"  # two ep groups on each node of 8
+    assert choose_transport("auto", "cuda", 8, 8) == "pull"
+    assert choose_transport("auto", "cuda", 16, 8) == "all_to_all"  # an ep group over two nodes
+    assert choose_transport("auto", "cuda", 3, 8) == "all_to_all"  # some ep group straddles a node boundary
+    assert choose_transport("auto", "cpu", 2, 2) == "all_to_all"
+    assert choose_transport("gathered", "cpu", 2, 2) == "gathered"
+    with pytest.raises(ValueError, match="spans nodes.*transport auto or all_to_all"):
+        choose_transport("pull", "cuda", 16, 8)
+
+
 def test_factor_zero_sets_nothing_ep1_says_so_and_biases_are_refused():
     run_ranks(check_settings, 2)
 

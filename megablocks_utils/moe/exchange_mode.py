@@ -27,6 +27,7 @@ exchange). With LoRA dropout a kept static forward draws its masks over the padd
 exact path's (still dropout; a rerun restores the RNG and draws the exact path's).
 """
 
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,8 +46,21 @@ T = TypeVar("T")
 # How the static exchange moves rows (``use_static_exchange``'s ``transport``): "pull" reads them from the peers' GPU
 # memory (``pull_exchange``: the exact bytes, a receiver's capacity in all), "all_to_all" sends fixed blocks through the
 # process group (``static_exchange``: padding on the wire, a capacity per pair of ranks), "gathered" is "pull" over
-# all-gathered copies (any backend: the CPU tests'). "auto": "pull" where the experts are on a GPU, else "all_to_all".
+# all-gathered copies (any backend: the CPU tests'). "auto": ``choose_transport``.
 TRANSPORTS = ("auto", "pull", "all_to_all", "gathered")
+
+
+def choose_transport(setting: str, device_type: str, ep: int, local_world_size: int) -> str:
+    """The transport "auto" means: "pull" where the experts are on GPUs and every ep group lies within one node (ep groups
+    are consecutive ranks: ``local_world_size`` divisible by ep), since symmetric memory maps one node's GPUs; else
+    "all_to_all". "pull" asked for across nodes is refused."""
+    one_node = local_world_size % ep == 0
+    if setting == "pull" and not one_node:
+        raise ValueError(f"transport pull: an ep group of {ep} spans nodes of {local_world_size} GPUs, and the peers' memory "
+                         "is mapped within one node; use transport auto or all_to_all")
+    if setting != "auto":
+        return setting
+    return "pull" if device_type == "cuda" and one_node else "all_to_all"
 
 
 class ExchangeMode:
@@ -94,8 +108,9 @@ def use_static_exchange(model: nn.Module, capacity_factor: float, transport: str
         raise ValueError("ep_capacity_factor > 0 does not support experts with a bias (gpt-oss); use --ep_capacity_factor 0")
     if not experts or experts[0].ep_size == 1:
         return f"ep_capacity_factor {capacity_factor:g}: no effect at ep 1 (no expert exchange)"
-    if transport == "auto":
-        transport = "pull" if experts[0].gate_up_proj.device.type == "cuda" else "all_to_all"
+    ep = experts[0].ep_size
+    transport = choose_transport(transport, experts[0].gate_up_proj.device.type, ep,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", ep)))
     mode = ExchangeMode(capacity_factor, transport)
     _LIVE_MODES.add(mode)
     for e in experts:
