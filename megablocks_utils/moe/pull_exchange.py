@@ -160,7 +160,11 @@ def symmetric_peers(group: dist.ProcessGroup, rows_a: int, rows_b: int, hidden: 
     layer; outside a CUDA graph's capture, which the graphs' eager warm-up steps ensure)."""
     key = (group.group_name, rows_a, rows_b, hidden, dtype, experts, device)
     if key not in _SYMMETRIC:
-        _SYMMETRIC[key] = SymmetricPeers(group, rows_a, rows_b, hidden, dtype, experts, device)
+        try:
+            _SYMMETRIC[key] = SymmetricPeers(group, rows_a, rows_b, hidden, dtype, experts, device)
+        except RuntimeError as e:
+            raise RuntimeError(f"the static exchange could not map the ep ranks' GPU memory to each other ({e}); run with "
+                               "--ep_capacity_factor 0 (the exact exchange)") from e
     return _SYMMETRIC[key]
 
 
