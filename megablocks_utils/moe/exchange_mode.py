@@ -1,9 +1,10 @@
 """The opt-in static expert exchange and the check that keeps it exact: ``use_static_exchange`` and ``run_exactly``.
 
 Why: the exact exchange (``dispatch.exchange``) reads every layer's counts on the host, one sync per layer that paces
-the GPUs at ep 2 and 4. With ``ep_capacity_factor`` F > 0 every MoE layer exchanges in blocks of
-``static_capacity(tokens, k, ep, F)`` rows per peer instead (``static_exchange``: no host sync) and adds its
-``overflow`` flag (a device bool) to the model's ``ExchangeMode``. ``run_exactly`` wraps a micro-step's forward:
+the GPUs at ep 2 and 4. With ``ep_capacity_factor`` F > 0 every MoE layer exchanges at fixed shapes instead, with no
+host sync (the mode's transport: ``pull_exchange``, each rank reading at most F x its mean rows from its peers' GPU
+memory, or ``static_exchange``, blocks of F x a peer's share through the all-to-all) and adds its ``overflow`` flag (a
+device bool) to the model's ``ExchangeMode``. ``run_exactly`` wraps a micro-step's forward:
 
   arm (exact off, flags cleared) -> the forward, every layer static -> OR of the flags, all-reduced (MAX) over the
   world, read once (the one host read left per micro-step) -> if any layer of any rank overflowed: the first forward

@@ -21,11 +21,12 @@ on the device only (no host counts): it must compute the first ``counts.sum()`` 
 anything. ``LocalExperts``' grouped GEMM does (its offsets end at the valid count); the per-expert loop does not (it
 reads the counts and splits all rows by them), nor does the experts' bias (a one-hot of all rows, gpt-oss).
 
-The layer uses it where ``ep_capacity_factor`` > 0 (``ExpertParallelExperts.route_and_compute``; its compute runs the
-per-expert loop on the valid rows only), and ``exchange_mode.run_exactly`` is the caller above: the check once per
-micro-step and the rerun on the exact exchange (tests/test_exchange_mode.py, on CPU ranks). Proved on CPU ranks
-(tests/test_static_exchange.py); bench/static_exchange_probe.py measures it on GPUs (the padding's cost, CUDA graph
-capture with NCCL, how often skewed routing overflows). End-to-end timings on GPUs and CUDA graphs at ep > 1 are next.
+The layer uses it where ``ep_capacity_factor`` > 0 and the mode's transport is "all_to_all" (on CPU ranks, or GPUs across
+nodes; within a node GPUs read their rows from each other's memory instead, ``pull_exchange.py``, the same contract
+without padding on the wire); its compute runs the per-expert loop on the valid rows only, and
+``exchange_mode.run_exactly`` is the caller above: the check once per micro-step and the rerun on the exact exchange
+(tests/test_exchange_mode.py, on CPU ranks). Proved on CPU ranks (tests/test_static_exchange.py);
+bench/static_exchange_probe.py measured it on GPUs (the padding's cost: bench/reports/ep_graphs_h200x4_2026-11-27d.md).
 """
 
 import math
