@@ -196,6 +196,24 @@ def test_a_deferred_overflow_reruns_the_whole_step_exactly():
     run_ranks(check_deferred_overflow_reruns_the_step, 2)
 
 
+def check_replayed_micro_step_records_no_rerun(rank, world):
+    from megablocks_utils.train.step import StepLoss
+
+    step_loss = StepLoss(1, 8.0, 2, aux_coef=0.0, group=dist.group.WORLD, device="cpu", defer_overflow=True)
+    batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "attention_sq": 64.0}
+    for flag in (False, True):  # what a graph's replay hands over: its numbers, the overflow flag among them
+        numbers = {"ce_sum": torch.tensor(3.0), "aux": torch.tensor(0.0, dtype=torch.float64), "tokens": torch.tensor(8),
+                   "nonfinite": torch.tensor(False), "tokens_per_expert": torch.zeros(4), "exchange_overflow": torch.tensor(flag)}
+        step_loss.add(numbers, batch)
+    assert step_loss.sums.exchange_reruns == 0 and bool(step_loss.overflow)
+
+
+def test_micro_steps_replayed_from_graphs_record_no_rerun():
+    """A micro-step replayed from a CUDA graph never runs ``loss_and_numbers``; its record still says 0 reruns (the
+    script sets the count itself when it reruns the step), and the flags are ORed."""
+    run_ranks(check_replayed_micro_step_records_no_rerun, 1)
+
+
 def check_settings(rank, world):
     from transformers import AutoModelForCausalLM
 

@@ -416,6 +416,18 @@ def test_cli_bf16_full_checkpointing_fits_on_8x80(capsys):
     assert out.rstrip("\n").splitlines()[-1] == "fits: yes"
 
 
+def test_cli_counts_the_static_exchanges_capacity(capsys):
+    """``--ep_capacity_factor`` reaches the estimate: Qwen3-30B-A3B at ep 4, 3 x the mean rows a layer, more activations."""
+    base = ["--model_name_or_path", os.path.join(CONFIGS, "qwen3-30b-a3b"), "--nproc", "4", "--ep_size", "4", "--gpu_memory_gib",
+            "140", "--optim", "adamw_bf16", "--max_length", "4096", "--per_device_train_batch_size", "1"]
+    activations = []
+    for extra in ([], ["--ep_capacity_factor", "3"]):
+        assert memory.main(base + extra) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("activations"))
+        activations.append(float(line.split()[-1]))
+    assert activations[1] > activations[0] + 20, activations  # 48 layers x 1.75 x the rows' ~0.3 GiB, and the buffers
+
+
 @pytest.mark.parametrize("args,expect", [
     (["--ep_size", "3"], "ep_size"),
     (["--optim", "sgd"], "optim"),

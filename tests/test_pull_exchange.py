@@ -18,7 +18,7 @@ import torch
 
 from megablocks_utils.moe.pull_exchange import pull_capacity, pull_maps
 from tests.conftest import run_in_triton_interpreter, run_ranks
-from tests.test_static_exchange import HIDDEN, K, LOCAL, TOKENS, make_experts, no_host_reads, routing
+from tests.test_static_exchange import K, LOCAL, TOKENS, make_experts, routing, run_layer
 
 
 def dealt(counts_all: list[list[int]], local: int, capacity: int):
@@ -57,6 +57,19 @@ def test_pull_maps_equal_the_rows_dealt_by_hand(capacity):
         assert bool(maps.overflow) == overflow
 
 
+def test_a_failed_symmetric_memory_setup_says_what_to_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe import pull_exchange
+
+    def fails(*args):
+        raise RuntimeError("peer access unsupported")
+
+    monkeypatch.setattr(pull_exchange, "SymmetricPeers", fails)
+    with pytest.raises(RuntimeError, match="peer access unsupported.*--ep_capacity_factor 0"):
+        pull_exchange.symmetric_peers(SimpleNamespace(group_name="g"), 8, 16, 4, torch.bfloat16, 4, torch.device("cpu"))
+
+
 def test_pull_capacity_counts_a_receivers_rows():
     assert pull_capacity(4096, 8, 4, 2.0) == 65536
     assert pull_capacity(4096, 8, 2, 1.3) == 42624  # 42598.4 -> 42599 -> 333 tiles of 128
@@ -83,32 +96,6 @@ def test_pull_kernel_reads_rows_by_address_in_the_interpreter():
     assert result == [True, True, True]
 
 
-def run_layer(experts, top_i, path, capacity=None, guard_trace=None):
-    """Route, dispatch, exchange (``path``: "exact" or "pull") and a backward: (outputs, overflow, gradients of x,
-    gate_up and down)."""
-    from contextlib import nullcontext
-
-    import torch.distributed as dist
-
-    from megablocks_utils.moe.dispatch import dispatch, exchange, route
-    from megablocks_utils.moe.pull_exchange import GatheredPeers, pull_exchange
-
-    ep = experts.ep_size
-    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7 + dist.get_rank())).requires_grad_()
-    dy = torch.randn(TOKENS * K, HIDDEN, generator=torch.Generator().manual_seed(9 + dist.get_rank()))
-    experts.gate_up_proj.grad = experts.down_proj.grad = None
-    peers = GatheredPeers(dist.group.WORLD)
-    with no_host_reads(guard_trace) if guard_trace is not None else nullcontext():
-        r = route(top_i, experts.num_experts)
-        routed = dispatch(x, r, K, False)
-        if path == "exact":
-            out, overflow = exchange([routed], [r.counts], ep, LOCAL, dist.group.WORLD, experts.compute)[0], None
-        else:
-            out, overflow = pull_exchange(routed, r.counts, ep, LOCAL, dist.group.WORLD, experts.compute_valid_rows, capacity, peers)
-        out.backward(dy)
-    return out.detach(), overflow, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad
-
-
 def _pull_on_ranks(rank: int, ep: int) -> None:
     import torch.distributed as dist
 
@@ -121,7 +108,7 @@ def _pull_on_ranks(rank: int, ep: int) -> None:
         traces[kind] = []
         got = run_layer(experts, top_i, "pull", everything, guard_trace=traces[kind])
         assert not got[1], kind
-        for name, a, b in zip(("out", "d_x", "d_gate_up", "d_down"), got[:1] + got[2:], want[:1] + want[2:]):
+        for name, a, b in zip(("out", "d_x", "d_gate_up", "d_down"), got[:1] + got[2:5], want[:1] + want[2:5]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{kind} {n}: {m}")
     assert traces["skewed"] == traces["one_rank_receives"] == traces["idle_experts"] and len(traces["skewed"]) > 30
 

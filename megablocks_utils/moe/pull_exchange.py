@@ -170,7 +170,7 @@ def symmetric_peers(group: dist.ProcessGroup, rows_a: int, rows_b: int, hidden: 
 
 class _Pull(torch.autograd.Function):
     """Rows published into buffer ``slot`` and pulled by (``rank``, ``row``); the backward publishes the gradient into
-    the other buffer and pulls it by (``back_rank``, ``back_row``). ``counts``: published with the rows (trip out)."""
+    the other buffer and pulls it by (``back_rank``, ``back_row``)."""
 
     @staticmethod
     def forward(ctx, rows, peers, slot, rank, row, back_rank, back_row):
