@@ -31,6 +31,7 @@
   ours_synthetic_placed, ours_chat_placed  ours_synthetic, ours_chat on the checkpoint with its experts placed on the
                    --ep ranks by the loads of the plain run before it in --runs (megablocks_utils/tools/place_experts.py;
                    the same steps' loads: in-sample, busiest_rank_over_mean_placed is the out-of-sample estimate)
+  ours_synthetic_graphs_placed, ours_chat_graphs_placed  the *_graphs runs on the checkpoint placed by their loads
   ours_synthetic_segments, ours_chat_segments  ours_synthetic, ours_chat with --cuda_graphs segments (at --ep = GPUs > 1:
                    each layer's norms and attention from CUDA graphs, the MoE blocks from Python, fsdp_wrap none; one
                    GPU: the defaults, whole micro-steps from graphs)
@@ -122,7 +123,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
-        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "ours_synthetic_numa", "ours_chat_numa", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "ours_synthetic_graphs_placed", "ours_chat_graphs_placed", "ours_synthetic_numa", "ours_chat_numa", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
@@ -212,7 +213,7 @@ def ours(run: str, args, work: str) -> dict:
              "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs, "ours_synthetic_replicated": ["--fsdp_wrap", "none"],
              "ours_chat_replicated": ["--fsdp_wrap", "none"], "ours_synthetic_segments": ["--cuda_graphs", "segments"],
              "ours_chat_segments": ["--cuda_graphs", "segments"], "ours_synthetic_model_wrap": ["--fsdp_wrap", "model"],
-             "ours_chat_model_wrap": ["--fsdp_wrap", "model"]}.get(run, [])
+             "ours_chat_model_wrap": ["--fsdp_wrap", "model"]}.get(run.removesuffix("_placed"), [])
     if run.endswith(("_segments", "_model_wrap")) and args.ep == 1:  # one GPU: the defaults (whole micro-steps from graphs)
         extra = []
     model_dir = placed_model(run, args, work) if run.endswith("_placed") else args.dir
@@ -299,7 +300,7 @@ def ours(run: str, args, work: str) -> dict:
                   **routing_reached(loads), **rank_loads(per_expert),
                   peak_allocated_gib=max((r.get("peak_memory_allocated_gb") or 0) for r in rows) or None,
                   alloc_retries=[r.get("alloc_retries") for r in rows])
-    if run.endswith(("_static", "_graphs")):
+    if run.removesuffix("_placed").endswith(("_static", "_graphs")):
         record["ep_capacity_factor"] = float(args.static_factor)
     if any("exchange_reruns" in r for r in rows):  # the static exchange: micro-steps rerun exactly, measured steps
         record["exchange_reruns"] = sum(r["exchange_reruns"] for r in rows)

@@ -17,8 +17,49 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+import triton
+import triton.language as tl
 
 from megablocks_utils.moe.pull_kernel import pull_rows
+
+
+# Variants tried against pull_kernel.pull_rows (twentieth session): several rows a program (more loads in flight), and
+# the push (each rank stores its rows into the receivers' buffers: remote stores, local loads).
+@triton.jit
+def _pull_many_kernel(table_ptr, src_rank_ptr, src_row_ptr, out_ptr, N, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    inside = rows < N
+    rank = tl.load(src_rank_ptr + rows, mask=inside, other=0)
+    src = tl.load(src_row_ptr + rows, mask=inside, other=-1).to(tl.int64)
+    base = tl.load(table_ptr + rank).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    cols = tl.arange(0, BLOCK_H)
+    values = tl.load(base[:, None] + tl.maximum(src, 0)[:, None] * H + cols[None, :], mask=(src >= 0)[:, None], other=0.0)
+    tl.store(out_ptr + rows[:, None] * H + cols[None, :], values, mask=inside[:, None])
+
+
+def pull_many(table, src_rank, src_row, out, rows_per_program, warps):
+    n, h = out.shape
+    _pull_many_kernel[(triton.cdiv(n, rows_per_program),)](table, src_rank, src_row, out, n, h, ROWS=rows_per_program,
+                                                          BLOCK_H=h, num_warps=warps)
+    return out
+
+
+@triton.jit
+def _push_kernel(table_ptr, dst_rank_ptr, dst_row_ptr, src_ptr, H, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rank = tl.load(dst_rank_ptr + row)
+    dst = tl.load(dst_row_ptr + row).to(tl.int64)
+    base = tl.load(table_ptr + rank).to(tl.pointer_type(src_ptr.dtype.element_ty))
+    writable = tl.where(dst >= 0, H, 0)
+    for start in range(0, H, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        values = tl.load(src_ptr + row * H + cols, mask=cols < writable)
+        tl.store(base + tl.maximum(dst, 0) * H + cols, values, mask=cols < writable)
+
+
+def push_rows(table, dst_rank, dst_row, src, block=2048, warps=8):
+    n, h = src.shape
+    _push_kernel[(n,)](table, dst_rank, dst_row, src, h, BLOCK_H=min(block, triton.next_power_of_2(h)), num_warps=warps)
 
 
 def timed(fn, repeats: int) -> float:
@@ -79,6 +120,31 @@ def main() -> None:
     # The kernel's choices of columns per step and warps per program (pull_kernel.BLOCK_COLUMNS, WARPS: the default).
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (512, 2)):
         out[f"pull_ms_{block}x{warps}"] = timed(lambda: pull_rows(table, runs_rank, runs_row, target, block, warps), args.repeats)
+    for rows_per_program, warps in ((2, 8), (4, 8), (4, 16), (8, 16)):
+        out[f"pull_many_ms_{rows_per_program}x{warps}"] = timed(
+            lambda: pull_many(table, runs_rank, runs_row, target, rows_per_program, warps), args.repeats)
+    check = pull_many(table, runs_rank, runs_row, torch.empty_like(target), 4, 8)
+    out["pull_many_exact"] = bool(torch.equal(check, pull_rows(table, runs_rank, runs_row, torch.empty_like(target))))
+    # Padding: a pull into a 3x larger buffer whose extra rows are zeros (what capacity factor 3 costs each pull).
+    pad_rank = torch.cat([runs_rank, torch.zeros(2 * world * per, dtype=torch.int32, device=device)])
+    pad_row = torch.cat([runs_row, torch.full((2 * world * per,), -1, dtype=torch.int32, device=device)])
+    padded = torch.empty(3 * world * per, h, dtype=torch.bfloat16, device=device)
+    out["pull_padded_3x_ms"] = timed(lambda: pull_rows(table, pad_rank, pad_row, padded), args.repeats)
+    # The push: my row i of rank r's share goes to rank r, row (my rank) * per + i: the same bytes as the pull above.
+    mine = torch.randn(world * per, h, device=device).to(torch.bfloat16)
+    push_rank = torch.arange(world, device=device).repeat_interleave(per).to(torch.int32)
+    push_row = (torch.arange(world * per, device=device) % per + rank * per).to(torch.int32)
+    handle.barrier(channel=0)
+    push_rows(table, push_rank, push_row, mine)
+    handle.barrier(channel=0)
+    everyone_mine = torch.empty(world, world * per, h, dtype=torch.bfloat16, device=device)
+    dist.all_gather_into_tensor(everyone_mine, mine, group=group)
+    expect = everyone_mine[:, rank * per:(rank + 1) * per].reshape(world * per, h)
+    out["push_exact"] = bool(torch.equal(buf[: world * per], expect))
+    handle.barrier(channel=0)
+    out["push_ms"] = timed(lambda: push_rows(table, push_rank, push_row, mine), args.repeats)
+    out["push_ms_4096x16"] = timed(lambda: push_rows(table, push_rank, push_row, mine, 4096, 16), args.repeats)
+    out["push_ms_1024x4"] = timed(lambda: push_rows(table, push_rank, push_row, mine, 1024, 4), args.repeats)
     send = torch.randn(world * per, h, device=device).to(torch.bfloat16)
     recv = torch.empty_like(send)
     out["nccl_all_to_all_ms"] = timed(lambda: dist.all_to_all_single(recv, send, group=group), args.repeats)
