@@ -348,6 +348,7 @@ def routing_skew(s: Session) -> str:
          option("--base", default="", help="also the same runs at an earlier commit (a copy of it, e.g. git archive C | tar -x -C DIR)"),
          option("--base_runs", default="", help="--base: only these runs at the earlier commit (default: --runs)"),
          option("--ep", type=int, default=1, help="ours on this many GPUs, ep_size = N (ours' runs only)"),
+         option("--static_factor", default="", help="the *_static and *_graphs runs' ep_capacity_factor (real_data.py's default: empty)"),
          option("--repeats", type=int, default=1, help="ours' runs (and --base's) this many times, interleaved; "
                 "transformers' once: a summary of the median over repeats of each run's median step"))
 def real_data(s: Session) -> str:
@@ -371,7 +372,8 @@ def real_data(s: Session) -> str:
         these = ours_only(runs)
         command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--runs", these,
                    "--routing", a.routing, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
-                   "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else []), "--ep", str(a.ep)]
+                   "--run_timeout", str(a.run_timeout), "--out", s.part, *(["--shrink"] if a.shrink else []), "--ep", str(a.ep),
+                   *(["--static_factor", a.static_factor] if a.static_factor else [])]
         if these:
             s.run(f"{a.shape}_L{a.layers}{routing}{suffix}", command, a.run_timeout * (len(these.split(",")) + 1))
         if a.base and ours_only(base_runs):  # its own real_data.py and train_fsdp2.py; the same checkpoint and rows

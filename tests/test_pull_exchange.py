@@ -1,60 +1,82 @@
-"""``pull_exchange`` (moe/pull_exchange.py): the static exchange whose ranks read their rows from each other's buffers.
+"""``pull_exchange`` (moe/pull_exchange.py): the static exchange whose ranks read what they need from each other's
+buffers, one row per token and rank.
 
-On one process: the maps (where each received row is read from, where each sent row's output comes back from, the rows
-per local expert and the overflow flag) against a loop that deals the rows out one by one, for routings with ranks and
-experts that receive nothing and for capacities that cut; the pull kernel in Triton's CPU interpreter, reading rows of
-CPU tensors by their addresses as it reads peers' GPU memory. On 2 and 4 gloo ranks (the peers' buffers all-gathered,
-``GatheredPeers``): with a capacity nothing overflows, outputs and gradients of the routed rows and both expert weights
-equal ``exchange``'s; every operator sees the same shapes for different routings, and none reads data on the host;
-with a capacity that cuts, the flag is set on every rank exactly when some rank would receive more, the rows that fit
-get their exact outputs and the cut ones zeros. The symmetric-memory transport itself runs on GPUs only
+On one process: the plan (each of my copies' rank and slot, the rows per local expert, the overflow flag) and the
+receivers' slots against a loop that deals the copies out one by one, for routings with ranks and experts that receive
+nothing and for capacities that cut; each Triton kernel in Triton's CPU interpreter, reading and writing CPU tensors by
+their addresses as it does peers' GPU memory, against the torch work of ``GatheredPeers``. On 2 and 4 gloo ranks (the
+peers' buffers all-gathered, ``GatheredPeers``): with a capacity nothing overflows, the layer's output and the gradients
+of x, the router weights and both expert weights equal dispatch + ``exchange`` + combine's; every operator sees the same
+shapes for different routings, and none reads data on the host; with a capacity that cuts, the flag is set on every
+rank exactly when some rank would receive more. The symmetric-memory transport itself runs on GPUs only
 (tests/gpu/test_pull_exchange.py).
 """
 
 import itertools
+from contextlib import nullcontext
 
 import pytest
 import torch
 
-from megablocks_utils.moe.pull_exchange import pull_capacity, pull_maps
+from megablocks_utils.moe.pull_exchange import pull_capacity, pull_plan, receiver_slots, routing_meta
 from tests.conftest import run_in_triton_interpreter, run_ranks
-from tests.test_static_exchange import K, LOCAL, TOKENS, make_experts, routing, run_layer
+from tests.test_static_exchange import HIDDEN, K, LOCAL, TOKENS, make_experts, no_host_reads, routing
 
 
-def dealt(counts_all: list[list[int]], local: int, capacity: int):
-    """The exchange done by hand: every rank's received rows (expert-major, then by source) as (source, sent row), cut
-    at ``capacity``; and for every rank's sent rows, (owner, received row) or (owner, -1) where cut."""
-    ep = len(counts_all)
+def dealt(top_all: list[list[list[int]]], local: int, capacity: int):
+    """The exchange done by hand from every rank's top-k ``top_all[s][t]``: each rank's received copies in order
+    (expert-major, then by source, each source's in its sorted order: by expert, then token, then choice) as
+    (source, token, choice), cut at ``capacity``; where each copy landed: {(s, t, j): (owner, slot or -1)}."""
+    ep = len(top_all)
     received = {r: [] for r in range(ep)}
     for r, e, s in itertools.product(range(ep), range(local), range(ep)):
-        g = r * local + e
-        start = sum(counts_all[s][:g])
-        received[r] += [(s, start + i, e) for i in range(counts_all[s][g])]
-    back = {s: [] for s in range(ep)}
-    for s in range(ep):
-        for g, n in enumerate(counts_all[s]):
-            for i in range(n):
-                row = sum(counts_all[s][:g]) + i
-                at = received[g // local].index((s, row, g % local))
-                back[s].append((g // local, at if at < capacity else -1))
-    return {r: rows[:capacity] for r, rows in received.items()}, back, any(len(v) > capacity for v in received.values())
+        received[r] += [(s, t, j) for t, choices in enumerate(top_all[s]) for j, g in enumerate(choices) if g == r * local + e]
+    landed = {}
+    for r, copies in received.items():
+        for i, copy in enumerate(copies):
+            landed[copy] = (r, i if i < capacity else -1)
+    return received, landed, any(len(v) > capacity for v in received.values())
+
+
+def plans_and_slots(top_all, local, capacity):
+    """``pull_plan`` and ``receiver_slots`` of every rank, from every rank's top-k (as each rank would see them)."""
+    from megablocks_utils.moe.dispatch import route
+
+    ep, k = len(top_all), len(top_all[0][0])
+    tops = [torch.tensor(t) for t in top_all]
+    routes = [route(t, ep * local) for t in tops]
+    counts_all = torch.stack([r.counts for r in routes])
+    meta_all = torch.stack([routing_meta(t, r.copy_row, torch.rand(t.shape)) for t, r in zip(tops, routes)])
+    plans = [pull_plan(counts_all, me, local, capacity, tops[me], routes[me].copy_row) for me in range(ep)]
+    slots = [receiver_slots(meta_all, p.first, p.sent_start, me, local, capacity, k) for me, p in enumerate(plans)]
+    return plans, slots
 
 
 @pytest.mark.parametrize("capacity", [40, 9, 3])
-def test_pull_maps_equal_the_rows_dealt_by_hand(capacity):
+def test_pull_plan_and_receiver_slots_equal_the_copies_dealt_by_hand(capacity):
     ep, local = 3, 2
-    counts_all = [[2, 0, 1, 3, 0, 0], [0, 0, 0, 0, 0, 0], [1, 4, 0, 2, 2, 1]]  # rank 1 sends nothing; experts 4-5 rank 2's
-    received, back, overflow = dealt(counts_all, local, capacity)
+    top_all = [[[3, 0], [2, 3], [0, 3]], [[1, 0], [5, 4], [4, 2]], [[1, 3], [3, 4], [0, 1]]]  # k 2, experts 4-5 rank 2's
+    received, landed, overflow = dealt(top_all, local, capacity)
+    plans, slots = plans_and_slots(top_all, local, capacity)
     for me in range(ep):
-        rows = sum(counts_all[me])
-        maps = pull_maps(torch.tensor(counts_all), me, local, capacity, rows)
-        assert maps.out_rank.shape == maps.out_row.shape == (capacity,) and maps.back_row.shape == (rows,)
-        got = [(int(r), int(i)) for r, i in zip(maps.out_rank, maps.out_row) if i >= 0]
-        assert got == [(s, i) for s, i, _ in received[me]], (me, got, received[me])
-        assert (maps.out_row[len(received[me]):] == -1).all()
-        assert list(zip(maps.back_rank.tolist(), maps.back_row.tolist())) == back[me]
-        assert maps.expert_counts.tolist() == [sum(1 for *_, e in received[me] if e == x) for x in range(local)]
-        assert bool(maps.overflow) == overflow
+        plan = plans[me]
+        mine = [[landed[(me, t, j)] for j in range(2)] for t in range(3)]
+        assert plan.owner.tolist() == [[r for r, _ in row] for row in mine], me
+        assert plan.slot.tolist() == [[i for _, i in row] for row in mine], me
+        kept = received[me][:capacity]
+        assert plan.expert_counts.tolist() == [sum(1 for s, t, j in kept if top_all[s][t][j] % local == e) for e in range(local)]
+        assert bool(plan.overflow) == overflow
+        want = torch.full((ep, 3, 2), -1)
+        for i, (s, t, j) in enumerate(kept):
+            want[s, t, j] = i
+        assert torch.equal(slots[me], want), (me, slots[me], want)
+
+
+def test_a_rank_that_sends_nothing_and_one_that_receives_nothing():
+    top_all = [[[0, 1]] * 4, [[1, 0]] * 4]  # every copy to rank 0's experts (local 2): rank 1 receives nothing
+    plans, slots = plans_and_slots(top_all, 2, 128)
+    assert plans[1].expert_counts.tolist() == [0, 0] and (slots[1] == -1).all()
+    assert sorted(slots[0].flatten().tolist()) == list(range(16)) and plans[0].expert_counts.tolist() == [8, 8]
 
 
 def test_a_failed_symmetric_memory_setup_says_what_to_run(monkeypatch):
@@ -67,7 +89,7 @@ def test_a_failed_symmetric_memory_setup_says_what_to_run(monkeypatch):
 
     monkeypatch.setattr(pull_exchange, "SymmetricPeers", fails)
     with pytest.raises(RuntimeError, match="peer access unsupported.*--ep_capacity_factor 0"):
-        pull_exchange.symmetric_peers(SimpleNamespace(group_name="g"), 8, 16, 4, torch.bfloat16, 4, torch.device("cpu"))
+        pull_exchange.symmetric_peers(SimpleNamespace(group_name="g"), 8, 2, 16, 4, torch.bfloat16, 4, torch.device("cpu"))
 
 
 def test_pull_capacity_counts_a_receivers_rows():
@@ -96,6 +118,101 @@ def test_pull_kernel_reads_rows_by_address_in_the_interpreter():
     assert result == [True, True, True]
 
 
+# Three ranks' buffers in one process, k 3 (a power of two of columns is 4: the slots' padding column is exercised),
+# a width over one column block (1024) and a capacity that cuts rank 0's last copies and pads the others'.
+TOKEN_KERNELS = """
+import json, torch
+from megablocks_utils.moe import pull_kernel as kern
+from megablocks_utils.moe.dispatch import route
+from megablocks_utils.moe.pull_exchange import (expanded, expanded_backward, pair_sums, pull_plan, rank_sums, read_at,
+                                                 receiver_slots, routing_meta)
+g = torch.Generator().manual_seed(1)
+ep, local, tokens, k, h, dtype = 3, 2, 5, 3, 1100, torch.bfloat16
+tops = [torch.stack([torch.randperm(ep * local, generator=g)[:k] for _ in range(tokens)]) for _ in range(ep)]
+tops[1][:, 0] = 0  # every token of rank 1 to expert 0: rank 0 receives the most
+routes = [route(t, ep * local) for t in tops]
+counts_all = torch.stack([r.counts for r in routes])
+capacity = int(counts_all.view(ep, ep, local).sum((0, 2)).max()) - 2
+weights = [torch.rand(tokens, k, generator=g) for _ in range(ep)]
+meta = [routing_meta(t, r.copy_row, w) for t, r, w in zip(tops, routes, weights)]
+x = [torch.randn(tokens, h, generator=g).to(dtype) for _ in range(ep)]
+table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+check = {}
+s_bufs, gw_bufs, plans = [], [], []
+for me in range(ep):
+    plan = pull_plan(counts_all, me, local, capacity, tops[me], routes[me].copy_row)
+    plans.append(plan)
+    out = torch.full((capacity, h), 7.0).to(dtype)
+    w = torch.full((capacity,), 7.0)
+    slots = torch.full((ep * tokens, 4), 9, dtype=torch.int32)
+    kern.expand_forward(table(x), table(meta), plan.first, plan.sent_start, plan.received, out, w, slots, tokens, k, ep, local, me)
+    ref_slots = receiver_slots(torch.stack(meta), plan.first, plan.sent_start, me, local, capacity, k)
+    ref_out, ref_w = expanded(torch.stack(x), torch.stack(weights), ref_slots, capacity)
+    check[f"slots{me}"] = torch.equal(slots[:, :k].long(), ref_slots.reshape(-1, k)) and bool((slots[:, k:] == -1).all())
+    check[f"expand{me}"] = torch.equal(out, ref_out) and torch.equal(w, ref_w)
+    y = torch.randn(capacity, h, generator=g).to(dtype)
+    s = torch.zeros(ep * tokens, h).to(dtype)
+    kern.sum_slots(y, w, slots, s)
+    torch.testing.assert_close(s.float(), pair_sums(y, ref_slots, ref_w).float(), rtol=1e-2, atol=1e-2)
+    s2 = torch.zeros(ep * tokens, h).to(dtype)
+    kern.sum_slots(y, None, slots, s2)
+    torch.testing.assert_close(s2.float(), pair_sums(y, ref_slots).float(), rtol=1e-2, atol=1e-2)
+    check[f"sums{me}"] = True
+    s_bufs.append(s)
+    d = [torch.randn(tokens, h, generator=g).to(dtype) for _ in range(ep)]
+    d_y, d_w = torch.full((capacity, h), 7.0).to(dtype), torch.full((capacity,), 7.0)
+    kern.expand_backward(table(d), slots, w, y, plan.received, d_y, d_w, tokens, ep, me)
+    ref_d_y, ref_d_w = expanded_backward(torch.stack(d), ref_slots, ref_w, y)
+    torch.testing.assert_close(d_y.float(), ref_d_y.float(), rtol=1e-2, atol=1e-2)  # the interpreter's bf16 rounding
+    torch.testing.assert_close(d_w, ref_d_w, rtol=1e-5, atol=1e-4)
+    check[f"backward{me}"] = bool((d_y[plan.received[me]:] == 0).all())  # padding zeroed
+    gw_bufs.append(torch.randn(capacity, generator=g))
+for me in range(ep):
+    out = torch.empty(tokens, h).to(dtype)
+    kern.sum_ranks(table(s_bufs), plans[me].owner, plans[me].slot, out, ep, me)
+    torch.testing.assert_close(out.float(), rank_sums(torch.stack(s_bufs), plans[me].owner, plans[me].slot, me).float(),
+                               rtol=1e-2, atol=1e-2)
+    got = torch.empty(tokens, k)
+    kern.read_scalars(table(gw_bufs), plans[me].owner, plans[me].slot, got)
+    check[f"ranks{me}"] = torch.equal(got, read_at(torch.stack(gw_bufs), plans[me].owner, plans[me].slot))
+check["cut"] = bool(plans[0].overflow) and any(bool((p.slot == -1).any()) for p in plans)
+print(json.dumps(check))
+"""
+
+
+def test_token_kernels_equal_their_torch_work_in_the_interpreter():
+    result = run_in_triton_interpreter(TOKEN_KERNELS)
+    assert all(result.values()) and len(result) == 16, result
+
+
+def run_tokens(experts, top_i, path, capacity=None, guard_trace=None):
+    """The layer's exchange on x and router weights: ``path`` "exact" (dispatch, ``exchange``, combine) or "pull"
+    (``pull_exchange`` over all-gathered buffers), and a backward: (output, overflow flag, gradients of x, the router
+    weights, gate_up and down)."""
+    import torch.distributed as dist
+
+    from megablocks_utils.moe.dispatch import combine, dispatch, exchange, route
+    from megablocks_utils.moe.pull_exchange import GatheredPeers, pull_exchange
+
+    ep, world = experts.ep_size, dist.group.WORLD
+    rank = dist.get_rank()
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7 + rank)).requires_grad_()
+    top_w = torch.rand(TOKENS, K, generator=torch.Generator().manual_seed(8 + rank)).requires_grad_()
+    dy = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(9 + rank))
+    experts.gate_up_proj.grad = experts.down_proj.grad = None
+    peers = GatheredPeers(world)
+    with no_host_reads(guard_trace) if guard_trace is not None else nullcontext():
+        r = route(top_i, experts.num_experts)
+        if path == "exact":
+            out = exchange([dispatch(x, r, K, False)], [r.counts], ep, LOCAL, world, experts.compute)[0]
+            out, overflow = combine(out, r, top_w, x.dtype, False), None
+        else:
+            out, overflow = pull_exchange(x, top_i, top_w, r.copy_row, r.counts, ep, LOCAL, world, experts.compute_valid_rows,
+                                          capacity, peers)
+        out.backward(dy)
+    return out.detach(), overflow, x.grad, top_w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
 def _pull_on_ranks(rank: int, ep: int) -> None:
     import torch.distributed as dist
 
@@ -104,27 +221,49 @@ def _pull_on_ranks(rank: int, ep: int) -> None:
     traces = {}
     for kind in ("skewed", "one_rank_receives", "idle_experts"):
         top_i = routing(kind, rank, ep)
-        want = run_layer(experts, top_i, "exact")
+        want = run_tokens(experts, top_i, "exact")
         traces[kind] = []
-        got = run_layer(experts, top_i, "pull", everything, guard_trace=traces[kind])
+        got = run_tokens(experts, top_i, "pull", everything, guard_trace=traces[kind])
         assert not got[1], kind
-        for name, a, b in zip(("out", "d_x", "d_gate_up", "d_down"), got[:1] + got[2:5], want[:1] + want[2:5]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{kind} {n}: {m}")
+        names = ("out", "overflow", "d_x", "d_top_w", "d_gate_up", "d_down")
+        for name, a, b in zip(names, got, want):
+            if name != "overflow":
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{kind} {n}: {m}")
     assert traces["skewed"] == traces["one_rank_receives"] == traces["idle_experts"] and len(traces["skewed"]) > 30
 
     # Cut: rank 0 receives everything under "one_rank_receives"; a capacity of half of that overflows on every rank.
     for kind, capacity in (("one_rank_receives", everything // 2), ("balanced", TOKENS * K), ("balanced", TOKENS * K - 1)):
         top_i = routing(kind, rank, ep)
-        want = run_layer(experts, top_i, "exact")
-        got = run_layer(experts, top_i, "pull", capacity)
-        counts = torch.zeros(ep * LOCAL, dtype=torch.long).scatter_add_(0, top_i.reshape(-1), torch.ones(TOKENS * K, dtype=torch.long))
-        every = [torch.empty_like(counts) for _ in range(ep)]
-        dist.all_gather(every, counts)
-        _, back, overflows = dealt([c.tolist() for c in every], LOCAL, capacity)
+        want = run_tokens(experts, top_i, "exact")
+        got = run_tokens(experts, top_i, "pull", capacity)
+        every = [torch.empty_like(top_i) for _ in range(ep)]
+        dist.all_gather(every, top_i.contiguous())
+        _, landed, overflows = dealt([t.tolist() for t in every], LOCAL, capacity)
         assert bool(got[1]) == overflows, (kind, capacity)
-        kept = torch.tensor([row >= 0 for _, row in back[rank]])
-        torch.testing.assert_close(got[0][kept], want[0][kept], rtol=1e-6, atol=1e-6)
-        assert torch.all(got[0][~kept] == 0) and (overflows or kept.all())
+        whole = torch.tensor([all(landed[(rank, t, j)][1] >= 0 for j in range(K)) for t in range(TOKENS)])
+        torch.testing.assert_close(got[0][whole], want[0][whole], rtol=1e-5, atol=1e-5)
+        assert overflows or whole.all()
+
+    # The layer: its forward (the pull reads x) and send + receive (the segments' halves: the pull reads each token's
+    # first copy) against the exact exchange, outputs and the input's gradient.
+    from megablocks_utils.moe.exchange_mode import ExchangeMode
+
+    experts.mesh.ep_group = dist.group.WORLD
+    top_i = routing("skewed", rank, ep)
+    top_w = torch.rand(TOKENS, K, generator=torch.Generator().manual_seed(3 + rank))
+    results = []
+    for mode, halves in ((None, False), (ExchangeMode(float(ep), "gathered"), False), (ExchangeMode(float(ep), "gathered"), True)):
+        experts.exchange_mode = mode
+        experts.gate_up_proj.grad = experts.down_proj.grad = None
+        x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(5 + rank)).requires_grad_()
+        out = experts.receive(*experts.send(x, top_i), top_w, x.dtype) if halves else experts(x, top_i, top_w)
+        out.backward(torch.ones_like(out))
+        assert mode is None or (len(mode.flags) == 1 and not mode.flags[0])
+        results.append((out.detach(), x.grad))
+    experts.exchange_mode = None
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -193,13 +193,12 @@ def make_experts(rank: int, ep: int):
 
 
 def run_layer(experts, top_i, path, capacity=None, compute=None, guard_trace=None):
-    """Route, dispatch, exchange (``path``: "exact", "static", or "pull": ``pull_exchange`` over all-gathered buffers,
-    with ``compute_valid_rows`` unless ``compute`` is given) and a backward: (outputs in expert order, the overflow flag,
-    the gradients of x, gate_up and down, the shapes compute saw)."""
+    """Route, dispatch, exchange (``path``: "exact" or "static", with ``compute_valid_rows`` unless ``compute`` is given)
+    and a backward: (outputs in expert order, the overflow flag, the gradients of x, gate_up and down, the shapes
+    compute saw)."""
     import torch.distributed as dist
 
     from megablocks_utils.moe.dispatch import dispatch, exchange, route
-    from megablocks_utils.moe.pull_exchange import GatheredPeers, pull_exchange
     from megablocks_utils.moe.static_exchange import static_exchange
 
     ep, experts_count = experts.ep_size, experts.num_experts
@@ -209,17 +208,14 @@ def run_layer(experts, top_i, path, capacity=None, compute=None, guard_trace=Non
 
     def through_experts(rows, counts, counts_host):
         seen.append((tuple(rows.shape), tuple(counts.shape), counts_host))
-        return (compute or (experts.compute_valid_rows if path == "pull" else experts.compute))(rows, counts, counts_host)
+        return (compute or experts.compute)(rows, counts, counts_host)
 
     experts.gate_up_proj.grad = experts.down_proj.grad = None
-    peers = GatheredPeers(dist.group.WORLD) if path == "pull" else None
     with no_host_reads(guard_trace) if guard_trace is not None else nullcontext():
         r = route(top_i, experts_count)
         routed = dispatch(x, r, K, False)
         if path == "exact":
             out, overflow = exchange([routed], [r.counts], ep, LOCAL, dist.group.WORLD, through_experts)[0], None
-        elif path == "pull":
-            out, overflow = pull_exchange(routed, r.counts, ep, LOCAL, dist.group.WORLD, through_experts, capacity, peers)
         else:
             out, overflow = static_exchange(routed, r.counts, ep, LOCAL, dist.group.WORLD, through_experts, capacity)
         out.backward(dy)

@@ -130,6 +130,8 @@ class ExpertParallelExperts(ExpertWeights):
         """
         num_tokens = top_i.shape[0]
         pieces = 1 if self.ep_size == 1 else max(1, min(self.overlap_chunks, num_tokens))
+        if pieces == 1 and _static_transport(self) not in (None, "all_to_all"):  # the rows read from x: no dispatch
+            return _pull(self, x, top_i, top_w, route(top_i, self.num_experts))
         if pieces == 1:  # x whole: a slice's backward would allocate and fill a zero gradient of all of x
             return self.receive(*self.send(x, top_i), top_w, x.dtype)
         edges = [num_tokens * i // pieces for i in range(pieces + 1)]
@@ -159,23 +161,43 @@ class ExpertParallelExperts(ExpertWeights):
         into one row per token, in ``dtype``."""
         num_tokens, k = top_w.shape
         ep = self.ep_size
-        mode = self.exchange_mode
+        transport = _static_transport(self)
         if ep == 1:  # no host sync: the grouped GEMM reads the counts on the GPU
             out = self.compute(routed, r.counts)
-        elif mode is not None and not mode.exact and mode.transport == "all_to_all":  # fixed blocks, no host sync
-            capacity = static_capacity(num_tokens, k, ep, mode.capacity_factor)
+        elif transport == "all_to_all":  # fixed blocks, no host sync
+            capacity = static_capacity(num_tokens, k, ep, self.exchange_mode.capacity_factor)
             out, overflow = static_exchange(routed, r.counts, ep, self.num_local_experts, self._ep_group(),
                                             self.compute_valid_rows, capacity)
-            mode.flags.append(overflow)  # the mode checks overflow
-        elif mode is not None and not mode.exact:  # rows read from the peers: exact bytes, fixed shapes, no host sync
-            group = self._ep_group()
-            capacity = pull_capacity(num_tokens, k, ep, mode.capacity_factor)
-            out, overflow = pull_exchange(routed, r.counts, ep, self.num_local_experts, group, self.compute_valid_rows,
-                                          capacity, mode.peers(group))
-            mode.flags.append(overflow)
+            self.exchange_mode.flags.append(overflow)  # the mode checks overflow
+        elif transport is not None:  # the pull reads tokens: each one's row (its first copy) and experts from the route
+            copies = r.copy_row.view(num_tokens, k)
+            return _pull(self, routed[copies[:, 0]], _expert_of_row(r)[copies], top_w, r)
         else:
             out = exchange([routed], [r.counts], ep, self.num_local_experts, self._ep_group(), self.compute)[0]
         return combine(out, r, top_w, dtype, self.fuse_elementwise(routed))
+
+
+def _static_transport(experts: ExpertParallelExperts) -> str | None:
+    """The transport of the static exchange the layer takes now (its ``exchange_mode``'s), or None: the exact one."""
+    mode = experts.exchange_mode
+    return mode.transport if experts.ep_size > 1 and mode is not None and not mode.exact else None
+
+
+def _expert_of_row(r: Route) -> torch.Tensor:
+    """The expert of each copy in expert order (``output_size``: no host sync)."""
+    experts = torch.arange(r.counts.shape[0], device=r.counts.device)
+    return torch.repeat_interleave(experts, r.counts, output_size=r.copy_row.shape[0])
+
+
+def _pull(experts: ExpertParallelExperts, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, r: Route) -> torch.Tensor:
+    """The exchange read from the peers' buffers (``pull_exchange``: exact bytes, one row per token and rank, fixed
+    shapes, no host sync), its overflow flag added to the mode."""
+    mode, group = experts.exchange_mode, experts._ep_group()
+    capacity = pull_capacity(top_i.shape[0], top_i.shape[1], experts.ep_size, mode.capacity_factor)
+    out, overflow = pull_exchange(x, top_i, top_w, r.copy_row, r.counts, experts.ep_size, experts.num_local_experts, group,
+                                  experts.compute_valid_rows, capacity, mode.peers(group))
+    mode.flags.append(overflow)
+    return out
 
 
 class ExpertParallelMoE(nn.Module):

@@ -1,13 +1,14 @@
-"""The static exchange read from the peers' GPU memory (``moe/pull_exchange.py``, symmetric memory) moves the same bits
-as the same exchange over all-gathered copies, and gives what the exact exchange gives.
+"""The static exchange read from the peers' GPU memory (``moe/pull_exchange.py``, symmetric memory, one row per token
+and rank) gives what the same exchange over all-gathered copies and the exact exchange give.
 
 Three MoE layers' experts in a row at ep 2 on two GPUs (NCCL), bf16 grouped GEMMs, skewed routing (uneven rows both
-ways), every layer's exchange through one set of shared buffers (the A/B alternation under test: each layer's trip out
-writes buffer A while the backward of the layer after it is still to come), forward then backward, twice:
-- ``SymmetricPeers`` against ``GatheredPeers`` (the CPU tests' transport, here over NCCL): outputs, the input's gradient
-  and every expert weight's gradient equal to the bit (both transports hand the same rows to the same kernels);
-- against ``dispatch.exchange`` (NCCL's all-to-all, the exact rows only): within 2e-2 relative (the grouped GEMM's
-  output over padded rows may tile otherwise; measured on the first run: see the assertion's message);
+ways), every layer's exchange through one set of shared buffers (the X/S alternation under test: each layer's trip out
+writes buffer X while the backward of the layer after it is still to come), forward then backward, twice:
+- ``SymmetricPeers`` (the Triton kernels) against ``GatheredPeers`` (their work in torch, here over NCCL): outputs, the
+  gradients of the input, the router weights and every expert weight within 1e-2 relative (the same copies; sums in
+  fp32 in another order);
+- against dispatch + ``dispatch.exchange`` + combine (NCCL's all-to-all, the exact rows only): within 2e-2 relative
+  (a token's copies summed per rank in bf16 before the sum over ranks; measured: see the assertion's message);
 - a capacity that cuts: the overflow flag set on both ranks;
 - the whole layer stack captured in one CUDA graph and replayed on new inputs equals the same stack run eagerly.
 """
@@ -43,7 +44,7 @@ def measure(rank, world):
         layers.append(experts)
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
     routes = [(torch.rand(TOKENS, K, device="cuda", generator=gen).square() * EXPERTS).long() for _ in range(LAYERS)]
-    weights = [torch.rand(TOKENS, K, device="cuda", generator=gen).softmax(-1) for _ in range(LAYERS)]
+    weights = [torch.rand(TOKENS, K, device="cuda", generator=gen).softmax(-1).requires_grad_() for _ in range(LAYERS)]
     gathered = GatheredPeers(group)
 
     def stack(inputs, how, capacity):
@@ -51,19 +52,21 @@ def measure(rank, world):
         h, flags = inputs, []
         for experts, top_i, top_w in zip(layers, routes, weights):
             r = route(top_i, EXPERTS)
-            routed = dispatch(h, r, K, True)
             if how == "exact":
-                out = exchange([routed], [r.counts], world, local, group, experts.compute)[0]
+                out = exchange([dispatch(h, r, K, True)], [r.counts], world, local, group, experts.compute)[0]
+                out = combine(out, r, top_w, h.dtype, True)
             else:
-                out, flag = pull_exchange(routed, r.counts, world, local, group, experts.compute_valid_rows, capacity,
-                                          gathered if how == "gathered" else None)
+                out, flag = pull_exchange(h, top_i, top_w, r.copy_row, r.counts, world, local, group, experts.compute_valid_rows,
+                                          capacity, gathered if how == "gathered" else None)
                 flags.append(flag)
-            h = h + combine(out, r, top_w, h.dtype, True)
+            h = h + out
         return h, flags
 
     def run(how, capacity=pull_capacity(TOKENS, K, world, float(world))):
         for e in layers:
             e.zero_grad(set_to_none=True)
+        for w in weights:
+            w.grad = None
         leaf = x.clone().requires_grad_(True)
         results = []
         for _ in range(2):  # the second pass adds into the weights' gradients
@@ -71,7 +74,8 @@ def measure(rank, world):
             out.float().square().sum().backward()
             results.append(out.detach())
         torch.cuda.synchronize()
-        return [*results, leaf.grad, *(p.grad.clone() for e in layers for p in (e.gate_up_proj, e.down_proj))], flags
+        grads = [leaf.grad, *(w.grad.clone() for w in weights), *(p.grad.clone() for e in layers for p in (e.gate_up_proj, e.down_proj))]
+        return [*results, *grads], flags
 
     run("symmetric")  # warm-up: compiles the element-wise kernels, makes the shared buffers
     symmetric, flags = run("symmetric")
@@ -95,10 +99,10 @@ def measure(rank, world):
     torch.cuda.synchronize()
     with torch.no_grad():
         eager_out, _ = stack(new_in, "symmetric", pull_capacity(TOKENS, K, world, float(world)))
-    relative = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(symmetric, exact)]
+    relative = lambda ours, theirs: [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(ours, theirs)]  # noqa: E731
     return {
-        "equal_gathered": [bool(torch.equal(a, b)) for a, b in zip(symmetric, via_gather)],
-        "relative_exact": relative,
+        "relative_gathered": relative(symmetric, via_gather),
+        "relative_exact": relative(symmetric, exact),
         "finite_nonzero": [bool(t.isfinite().all() and t.abs().sum() > 0) for t in symmetric],
         "overflow": [bool(f) for f in flags],
         "cut_overflow": [bool(f) for f in cut_flags],
@@ -111,10 +115,10 @@ def results():
     return run_on_gpus(measure, 2)
 
 
-def test_symmetric_memory_moves_the_same_bits_as_gathered_copies(results):
+def test_symmetric_memory_gives_what_gathered_copies_give(results):
     for r in results:
         assert r["finite_nonzero"] == [True] * len(r["finite_nonzero"]), r
-        assert r["equal_gathered"] == [True] * len(r["equal_gathered"]), r
+        assert max(r["relative_gathered"]) <= 1e-2, r["relative_gathered"]
         assert r["overflow"] == [False] * 3, r
 
 
