@@ -31,7 +31,7 @@ packing = True  # pack several samples into each row of max_length, documents ke
 attn_implementation = "auto"  # "auto" (the fastest exact kernel for model, device and rows), "flex_attention", "varlen", "sdpa", "eager"
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
-ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (0: the exact exchange)
+ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (0: the exact exchange; -1 auto: 0 here, megablocks_utils/train/auto_exchange.py)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 finetuning = "full"  # "full" only here: for "lora" (frozen weights, adapters, a PEFT adapter out) use train_fsdp2.py
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
@@ -137,6 +137,8 @@ try:
     trainer_argv = parse_settings(settings, __file__, known_extra=training_flags - set(settings),
                                   extra_kind="TrainingArguments flag", doc=__doc__, more_help=trainer_help)
     globals().update(settings)
+    if ep_capacity_factor == -1:  # auto: the exact exchange here (no CUDA graphs, which auto's static exchange goes with)
+        ep_capacity_factor = 0.0
     if finetuning != "full":  # FSDP1 here keeps the experts as ignored_modules, outside any adapter path
         raise InputError(f"--finetuning {finetuning} is not supported by train_fsdp1.py; use train_fsdp2.py --finetuning {finetuning}")
     defaults = [f"--{k}={v}" for k, v in trainer_defaults.items()]

@@ -30,7 +30,7 @@ output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF mode
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
-ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (under CUDA graphs: the step) (0: the exact exchange)
+ep_capacity_factor = -1.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (under CUDA graphs: the step) (0: the exact exchange; -1 auto: 2 with whole micro-steps as CUDA graphs at ep 2 = world size on one GPU node where nothing blocks them, else 0: megablocks_utils/train/auto_exchange.py)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
 finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in the compute dtype, adapters train; final/ is a PEFT adapter)
@@ -104,6 +104,7 @@ from megablocks_utils.train.cuda_graph import (  # noqa: E402
     resolve_cuda_graphs,
     zero_grads,
 )
+from megablocks_utils.train.auto_exchange import AUTO, resolve_capacity_factor  # noqa: E402
 from megablocks_utils.train.optim import param_dtype  # noqa: E402
 from megablocks_utils.train.segment_graphs import SegmentGraphs, resolve_segment_graphs, segment_blocker  # noqa: E402
 from megablocks_utils.train.memory_plan import (  # noqa: E402
@@ -132,6 +133,15 @@ try:
     lora = check_lora(model_config, finetuning=finetuning, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_target_modules,
                       moe_backend=moe_backend, load_balance_coeff=load_balance_coeff, merge_lora=merge_lora)  # None: a full fine-tune
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
+    # ep_capacity_factor auto: the static exchange with whole micro-steps as CUDA graphs where that ran, else the exact one
+    factor_auto = ep_capacity_factor == AUTO
+    ep_capacity_factor, factor_note = resolve_capacity_factor(
+        ep_capacity_factor, device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1)), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        moe_backend=moe_backend, expert_bias=spec_for(model_config).expert_bias, lora=bool(lora),
+        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
+        dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16, optim=optim,
+        cuda_graphs=cuda_graphs, fsdp_wrap=fsdp_wrap)
     # cuda_graphs true that cannot run is refused here already (the attention kernel and FSDP are checked after loading)
     resolve_cuda_graphs(cuda_graphs, graph_blocker(
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
@@ -181,6 +191,7 @@ from megablocks_utils.moe.balance import (  # noqa: E402
     update_routing_bias,
 )
 from megablocks_utils.moe.exchange_mode import (  # noqa: E402
+    drop_static_exchange,
     exact_exchange,
     exchange_mode,
     step_overflowed,
@@ -274,8 +285,11 @@ plan_for = functools.partial(
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
     chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts, ep_capacity_factor=ep_capacity_factor)
 # FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
-fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep, replicated=segments_planned)
-plan = plan_for(fsdp_wrap=fsdp_wrap)
+fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep,
+                              replicated=segments_planned or (factor_auto and ep_capacity_factor > 0))
+if factor_auto and ep_capacity_factor > 0 and fsdp_wrap != "none":  # the graphs need the dense weights whole on each rank
+    ep_capacity_factor, factor_note = 0.0, f"ep_capacity_factor auto: 0, the exact exchange (fsdp_wrap {fsdp_wrap}: the dense weights do not fit whole on every rank)"
+plan = plan_for(fsdp_wrap=fsdp_wrap, ep_capacity_factor=ep_capacity_factor)
 check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
@@ -303,8 +317,8 @@ with stop_together():
                              moe_backend=moe_backend, attn_implementation=attention)
     lora_targets = add_lora(model, mesh, lora, param_dtype(optim), seed) if lora else None
     exchange_note = use_static_exchange(model, ep_capacity_factor)  # "" when off (megablocks_utils/moe/exchange_mode.py)
-if master and exchange_note:
-    print(exchange_note, flush=True)
+if master and (factor_note or exchange_note):
+    print("\n".join(line for line in (factor_note, exchange_note) if line), flush=True)
 config = model.config
 # The loss computed inside lm_head's forward, chunk by chunk (megablocks_utils/train/loss.py); before FSDP wraps the
 # model, after LoRA (an adapter on lm_head keeps the full logits). "" when installed, else why not.
@@ -345,6 +359,10 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
         ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None))
 except InputError as e:
     fail(e)
+if factor_auto and exchange_mode(model) is not None and not use_graphs:  # auto's static exchange goes with graphs only
+    drop_static_exchange(model)
+    if master:
+        print(f"ep_capacity_factor auto: 0 after all, the exact exchange ({graphs_note})", flush=True)
 try:  # or each layer's dense segment (megablocks_utils/train/segment_graphs.py), where whole micro-steps cannot be
     use_segments, segments_note = resolve_segment_graphs(cuda_graphs, segment_blocker(
         device_type=device.type, world_size=world_size, ep_size=mesh.ep_size, moe_backend=moe_backend, attention=attention,
@@ -353,6 +371,7 @@ try:  # or each layer's dense segment (megablocks_utils/train/segment_graphs.py)
         single_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) >= world_size)
 except InputError as e:
     fail(e)
+use_segments = use_segments and not use_graphs  # whole micro-steps as graphs, where they can be, hold the segments
 if master:
     print(segments_note if use_segments else graphs_note, flush=True)
 experts = set(expert_parameters(model))  # after FSDP: where it manages them, its sharded parameters

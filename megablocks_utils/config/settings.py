@@ -95,7 +95,7 @@ RULES = {
     # parallelism and precision
     "ep_size": NON_NEGATIVE,
     "dp_replicate": POSITIVE,
-    "ep_capacity_factor": NON_NEGATIVE,
+    "ep_capacity_factor": Number(low=0, special=-1, special_means="auto: megablocks_utils/train/auto_exchange.py"),
     "shard_experts": Choice(("auto", "true", "false"), bare="true"),
     "cuda_graphs": Choice(("auto", "true", "segments", "false"), bare="true"),
     "moe_backend": Choice(("native", "megablocks")),

@@ -124,6 +124,12 @@ def use_static_exchange(model: nn.Module, capacity_factor: float, transport: str
     return f"expert exchange: {way}, no host sync; a micro-step that overflows reruns exactly (exchange_reruns in metrics.jsonl)"
 
 
+def drop_static_exchange(model: nn.Module) -> None:
+    """Every MoE layer back on the exact exchange (``use_static_exchange`` undone)."""
+    for block in moe_blocks(model):
+        block.experts.exchange_mode = None
+
+
 def exchange_mode(model: nn.Module) -> ExchangeMode | None:
     """The model's ``ExchangeMode``, or None (no static exchange)."""
     if not _LIVE_MODES:

@@ -11,9 +11,10 @@ train_fsdp2.py on the tiny model, bf16, --optim adamw_bf16, packed rows (varlen)
 - factor 0.1 with graphs (capacity 128 rows: every step overflows and is rerun exactly) against the exact exchange;
 - the exact exchange with ``--fsdp_wrap none`` against the default (FSDP's whole-model unit): the replicated dense
   weights' average during the last backward (parallel/replicated_grads.py) is FSDP's reduce;
-- the defaults, where ``cuda_graphs auto`` takes the segments (each layer's norms and attention from graphs, the MoE blocks
-  eager; train/segment_graphs.py; fsdp_wrap auto resolved to none) against the same layers launched from Python
-  (``--fsdp_wrap none --cuda_graphs false``).
+- ``--cuda_graphs segments`` (each layer's norms and attention from graphs, the MoE blocks eager; train/segment_graphs.py;
+  fsdp_wrap auto resolved to none) against the same layers launched from Python (``--fsdp_wrap none --cuda_graphs false``);
+- the defaults, where ``ep_capacity_factor`` auto takes 2 (train/auto_exchange.py: the static exchange read from the
+  peers' memory, fsdp_wrap none, each micro-step one graph) against the exact exchange launched from Python.
 Each within the bf16 bound of test_train_parity.py (2e-3).
 """
 
@@ -35,7 +36,8 @@ def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
         "eager": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "false"),
         "overflow_graphs": ("--ep_capacity_factor", "0.1", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
         "exact_replicated": ("--fsdp_wrap", "none", "--cuda_graphs", "false"),
-        "segments": (),  # the defaults: cuda_graphs auto takes the segments here, fsdp_wrap auto resolves to none
+        "segments": ("--cuda_graphs", "segments"),  # fsdp_wrap auto resolves to none for them
+        "defaults": (),  # ep_capacity_factor auto: 2 with whole micro-steps as graphs
         "exact_fsdp": ("--cuda_graphs", "false"),  # fsdp_wrap auto: FSDP's whole-model unit
     }
     root = tmp_path_factory.mktemp("ep_graphs")
@@ -77,7 +79,7 @@ def test_replicated_dense_weights_train_as_fsdp(ep_graph_runs):
 
 def test_segment_graphs_train_as_the_layers_launched_from_python(ep_graph_runs):
     segmented, log = ep_graph_runs["segments"]
-    assert "cuda_graphs auto: segments (ep = world size" in log
+    assert "cuda_graphs segments: each decoder layer's norms and attention" in log
     # after the 2 warm-up steps (steps 3 to 8 replay them); every layer's graph reaching to its MoE block's exchange
     # where ROUTE_IN_GRAPH is on, none where off
     from megablocks_utils.train.segment_graphs import ROUTE_IN_GRAPH
@@ -93,3 +95,14 @@ def test_segment_graphs_train_as_the_layers_launched_from_python(ep_graph_runs):
     # left unaveraged would move its norm far more than 1e-2.
     assert abs(segmented[2]["grad_norm"] / eager[2]["grad_norm"] - 1) <= 1e-2
     assert segmented[-1]["loss"] < segmented[0]["loss"]
+
+
+def test_the_defaults_at_ep_2_train_as_the_exact_exchange(ep_graph_runs):
+    auto, log = ep_graph_runs["defaults"]
+    assert "ep_capacity_factor auto: 2 (ep 2 = world size on one node" in log
+    assert "cuda_graphs auto: each micro-step replayed" in log and "cuda_graphs: captured the first micro-step" in log
+    assert "FSDP units: none, dense weights whole on every rank" in log
+    exact = ep_graph_runs["exact_replicated"][0]
+    assert len(auto) == len(exact) == 8 and [r["exchange_reruns"] for r in auto] == [0] * 8  # 2 never overflows at ep 2
+    assert worst_relative(auto, exact, "loss") <= 2e-3
+    assert auto[-1]["loss"] < auto[0]["loss"]

@@ -1,0 +1,60 @@
+"""``ep_capacity_factor`` -1 (auto): where the static expert exchange with whole micro-steps as CUDA graphs is the
+default, and the factor it takes there (``resolve_capacity_factor``).
+
+Why: at ep = world size on one node, the static exchange read from the peers' GPU memory (moe/pull_exchange.py) lets
+each micro-step be one CUDA graph, and that ran 13% faster than the same with the nineteenth session's row pull and 30%
+faster than the default segments' graphs at ep 2 on 2 x H200 (BENCHMARKS.md, "Several GPUs"). A fast path is the
+default only where it ran: ``AUTO_FACTORS`` holds the ep sizes measured in training, each with a factor that never
+reran there. Everything the graphs need must hold too (``cuda_graph.graph_blocker``), and the dense weights must fit
+whole on every rank (the script turns the factor off where ``fsdp_wrap`` auto cannot take "none", and where the
+graphs turn out blocked after loading: the static exchange without graphs was not measured faster).
+"""
+
+from megablocks_utils.train.cuda_graph import graph_blocker
+
+AUTO = -1.0
+# ep -> factor. At ep 2 a rank can never receive more than 2 x the mean rows (both ranks' rows), so 2 never overflows.
+AUTO_FACTORS = {2: 2.0}
+
+
+def auto_blocker(*, device_type: str, world_size: int, ep_size: int, local_world_size: int, moe_backend: str,
+                 expert_bias: bool, lora: bool, activation_checkpointing: str, checkpoint_experts: bool, dtype,
+                 optim: str, cuda_graphs: str, fsdp_wrap: str, whole_graphs: bool = True) -> str | None:
+    """Why auto keeps the exact exchange in this run, or None where it takes ``AUTO_FACTORS[ep_size]``
+    (``whole_graphs``: whether the script runs micro-steps as CUDA graphs at all; train_fsdp1.py does not)."""
+    if not whole_graphs:
+        return "this script runs no CUDA graphs, which the static exchange is the default for"
+    graphs = graph_blocker(device_type=device_type, world_size=world_size, moe_backend=moe_backend, attention=None,
+                           activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
+                           lora=lora, dtype=dtype, fsdp=False, ep_size=ep_size, static_exchange=True)
+    if graphs is not None:
+        return graphs
+    if world_size == 1:
+        return "one GPU: no expert exchange"
+    if ep_size not in AUTO_FACTORS:
+        return f"ep {ep_size}: measured at ep {', '.join(map(str, AUTO_FACTORS))} only; give a factor to try it"
+    if local_world_size % ep_size:
+        return f"an ep group of {ep_size} spans nodes of {local_world_size} GPUs (the peers' memory is mapped within one node)"
+    if expert_bias:
+        return "experts with a bias (gpt-oss)"
+    if optim != "adamw_bf16":
+        return f"optim {optim}: the dense weights whole on every rank (fsdp_wrap none) need --optim adamw_bf16"
+    if str(cuda_graphs).lower() not in ("auto", "true"):
+        return f"cuda_graphs {cuda_graphs}"
+    if fsdp_wrap not in ("auto", "none"):
+        return f"fsdp_wrap {fsdp_wrap}: the graphs need the dense weights whole on every rank (none)"
+    return None
+
+
+def resolve_capacity_factor(setting: float, **conditions) -> tuple[float, str]:
+    """(the factor, the line the script prints, "" for none): a factor >= 0 as given; auto (-1) ``AUTO_FACTORS``'s
+    where ``auto_blocker(**conditions)`` finds nothing in the way, else 0 (the exact exchange), saying why on GPUs."""
+    if setting != AUTO:
+        return setting, ""
+    why = auto_blocker(**conditions)
+    if why is not None:  # said on GPUs with an exchange to make; on CPU or one GPU there is nothing to choose
+        quiet = conditions["device_type"] != "cuda" or conditions["world_size"] == 1
+        return 0.0, "" if quiet else f"ep_capacity_factor auto: 0, the exact exchange ({why})"
+    factor = AUTO_FACTORS[conditions["ep_size"]]
+    return factor, (f"ep_capacity_factor auto: {factor:g} (ep {conditions['ep_size']} = world size on one node: the static "
+                    "exchange read from the peers' memory, each micro-step one CUDA graph)")

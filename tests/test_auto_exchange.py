@@ -1,0 +1,66 @@
+"""``ep_capacity_factor`` -1 (auto, train/auto_exchange.py): the static exchange with whole micro-steps as CUDA graphs
+where that ran (ep 2 = world size on one GPU node), the exact exchange elsewhere with the reason; a factor given is
+kept; ``drop_static_exchange`` puts every layer back on the exact exchange."""
+
+import pytest
+import torch
+
+from megablocks_utils.train.auto_exchange import AUTO, AUTO_FACTORS, resolve_capacity_factor
+
+# An ep 2 run on one node of 2 GPUs, full fine-tuning at the defaults auto is measured with.
+EP2 = dict(device_type="cuda", world_size=2, ep_size=2, local_world_size=2, moe_backend="native", expert_bias=False, lora=False,
+           activation_checkpointing="none", checkpoint_experts=False, dtype=torch.bfloat16, optim="adamw_bf16",
+           cuda_graphs="auto", fsdp_wrap="auto")
+
+
+def test_auto_takes_the_measured_factor_at_ep_2_on_one_node():
+    factor, note = resolve_capacity_factor(AUTO, **EP2)
+    assert factor == AUTO_FACTORS[2] == 2.0 and "ep_capacity_factor auto: 2" in note
+    assert resolve_capacity_factor(AUTO, **{**EP2, "cuda_graphs": "true", "fsdp_wrap": "none"})[0] == 2.0
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"world_size": 4}, "ep = world size"),
+    ({"world_size": 4, "ep_size": 4, "local_world_size": 4}, "ep 4: measured at ep 2 only"),
+    ({"local_world_size": 1}, "spans nodes"),
+    ({"moe_backend": "megablocks"}, "megablocks"),
+    ({"expert_bias": True}, "bias"),
+    ({"lora": True}, "LoRA"),
+    ({"activation_checkpointing": "full"}, "checkpointing"),
+    ({"checkpoint_experts": True}, "checkpointing"),
+    ({"dtype": torch.float32}, "float32 compute"),
+    ({"optim": "adamw_torch"}, "--optim adamw_bf16"),
+    ({"cuda_graphs": "segments"}, "cuda_graphs segments"),
+    ({"cuda_graphs": "false"}, "cuda_graphs false"),
+    ({"fsdp_wrap": "layer"}, "fsdp_wrap layer"),
+    ({"whole_graphs": False}, "no CUDA graphs"),
+])
+def test_auto_keeps_the_exact_exchange_elsewhere_and_says_why(change, why):
+    factor, note = resolve_capacity_factor(AUTO, **{**EP2, **change})
+    assert factor == 0.0 and note.startswith("ep_capacity_factor auto: 0, the exact exchange") and why in note, note
+
+
+def test_on_cpu_and_one_gpu_auto_is_the_exact_exchange_without_a_word():
+    assert resolve_capacity_factor(AUTO, **{**EP2, "device_type": "cpu"}) == (0.0, "")
+    assert resolve_capacity_factor(AUTO, **{**EP2, "world_size": 1, "ep_size": 1, "local_world_size": 1}) == (0.0, "")
+
+
+def test_a_factor_given_is_kept():
+    assert resolve_capacity_factor(0.0, **EP2) == (0.0, "")
+    assert resolve_capacity_factor(3.0, **{**EP2, "device_type": "cpu"}) == (3.0, "")
+
+
+def test_dropping_the_static_exchange_puts_every_layer_back_on_the_exact_one():
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe.exchange_mode import ExchangeMode, drop_static_exchange, exchange_mode
+    from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
+
+    mesh = SimpleNamespace(ep_size=2)
+    model = torch.nn.ModuleList([ExpertParallelMoE(8, 4, 2, True, mesh, "silu") for _ in range(2)])
+    mode = ExchangeMode(2.0, "gathered")
+    for block in model:
+        assert isinstance(block.experts, ExpertParallelExperts)
+        block.experts.exchange_mode = mode
+    drop_static_exchange(model)
+    assert exchange_mode(model) is None and all(block.experts.exchange_mode is None for block in model)
