@@ -89,6 +89,7 @@ from megablocks_utils.config.inputs import (  # noqa: E402
 )
 from megablocks_utils.config.settings import parse_settings  # noqa: E402
 from megablocks_utils.errors import CheckpointError, InputError, NonFiniteStep  # noqa: E402
+from megablocks_utils.model.architectures import spec_for  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.lora import check_lora  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
@@ -176,7 +177,6 @@ from megablocks_utils import (  # noqa: E402
     expert_parameters,
     grad_norm_and_clip_coef,
     load_model,
-    spec_for,
 )
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
 from megablocks_utils.model.export import export_hf  # noqa: E402
