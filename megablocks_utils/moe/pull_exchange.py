@@ -127,21 +127,21 @@ def expanded_backward(d_all: torch.Tensor, slots: torch.Tensor, w: torch.Tensor,
 
 
 def pair_sums(rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum_slots``: [ep * T, H], each pair's slots of ``rows`` summed in fp32 (times ``w``), zeros for none."""
+    """``sum_slots``: [ep * T, H] fp32, each pair's slots of ``rows`` summed (times ``w``), zeros for none."""
     at = slots.reshape(-1, slots.shape[-1])
     picked = rows[at.clamp(min=0)].float() * (at >= 0).unsqueeze(-1)
     if w is not None:
         picked = picked * w[at.clamp(min=0)].unsqueeze(-1)
-    return picked.sum(1).to(rows.dtype)
+    return picked.sum(1)
 
 
-def rank_sums(s_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, me: int) -> torch.Tensor:
-    """``sum_ranks``: each of my tokens' rows (``me * T + t`` of ``s_all`` [ep, ep * T, H]) summed over the ranks
-    holding one of its kept copies."""
+def rank_sums(s_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, me: int, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_ranks``: each of my tokens' rows (``me * T + t`` of ``s_all`` [ep, ep * T, H] fp32) summed over the ranks
+    holding one of its kept copies, in ``dtype``."""
     ep, tokens = s_all.shape[0], owner.shape[0]
     holds = ((owner.long().unsqueeze(-1) == torch.arange(ep, device=owner.device)) & (slot >= 0).unsqueeze(-1)).any(1)
-    mine = s_all[:, me * tokens : (me + 1) * tokens].float()
-    return (mine * holds.T.unsqueeze(-1)).sum(0).to(s_all.dtype)
+    mine = s_all[:, me * tokens : (me + 1) * tokens]
+    return (mine * holds.T.unsqueeze(-1)).sum(0).to(dtype)
 
 
 def read_at(gw_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ class GatheredPeers:
             self.gw_all = self._gather(grad_w)
 
     def sum_ranks(self, plan: PullPlan, me: int) -> torch.Tensor:
-        return rank_sums(self.s_all, plan.owner, plan.slot, me)
+        return rank_sums(self.s_all, plan.owner, plan.slot, me, self.x_all.dtype)
 
     def weight_grads(self, plan: PullPlan) -> torch.Tensor:
         return read_at(self.gw_all, plan.owner, plan.slot)
@@ -195,7 +195,7 @@ class GatheredPeers:
 
 class SymmetricPeers:
     """``GatheredPeers``' contract in GPU memory every rank of ``group`` maps (torch's symmetric memory): buffers X
-    (``tokens`` x H: my tokens, then my output's gradient), S (ep * ``tokens`` x H: per (source, token) sums), GW
+    (``tokens`` x H: my tokens, then my output's gradient), S (ep * ``tokens`` x H fp32: per (source, token) sums), GW
     (``capacity`` fp32: the weights' gradients), the routing meta and the counts; one set per shape, shared by every
     layer (the X, S alternation keeps that safe)."""
 
@@ -209,7 +209,7 @@ class SymmetricPeers:
         self.kernels = pull_kernel
         self.ep = dist.get_world_size(group)
         self.x = symm_mem.empty(tokens, hidden, dtype=dtype, device=device)
-        self.s = symm_mem.empty(self.ep * tokens, hidden, dtype=dtype, device=device)
+        self.s = symm_mem.empty(self.ep * tokens, hidden, dtype=torch.float32, device=device)
         self.gw = symm_mem.empty(capacity, dtype=torch.float32, device=device)
         self.meta = symm_mem.empty(3, tokens * k, dtype=torch.int32, device=device)
         self.counts = symm_mem.empty(1, experts, dtype=torch.int64, device=device)

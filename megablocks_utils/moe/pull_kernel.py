@@ -10,7 +10,8 @@ holds, for pair q = s * T + t, the rows (slots) its copies take among this rank'
 - ``expand_forward``: each pair's row read once from its source and written to each of its slots, with the copies'
   router weights; the slots worked out from the sources' published routing (``pull_exchange.receiver_slots``).
 - ``expand_backward``: the same read (the output gradient) times each slot's weight, and each weight's gradient.
-- ``sum_slots``: each pair's slots summed (weighted or not) into one row of this rank's shared buffer.
+- ``sum_slots``: each pair's slots summed (weighted or not) into one fp32 row of this rank's shared buffer (fp32: one
+  rounding to the compute dtype at the end, as one rank's sum of a token's copies makes).
 - ``sum_ranks``: each of my tokens' rows summed over the ranks holding its copies.
 - ``read_scalars``: each of my copies' value at its slot on its owner (the router weights' gradients).
 - ``pull_rows``: rows by (rank, row) (the counts of every rank).
@@ -193,14 +194,14 @@ def _sum_ranks_kernel(s_table, owner_ptr, slot_ptr, out_ptr, T, H, me, K: tl.con
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
         for r in tl.static_range(EP):
             readable = tl.where(tl.sum((owner == r).to(tl.int32), axis=0) > 0, H, 0)  # none where r holds no copy
-            src = tl.load(s_table + r).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            total += tl.load(src + row + cols, mask=cols < readable, other=0.0).to(tl.float32)
+            src = tl.load(s_table + r).to(tl.pointer_type(tl.float32))  # the per-pair sums are kept in fp32
+            total += tl.load(src + row + cols, mask=cols < readable, other=0.0)
         tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 def sum_ranks(s_table, owner, slot, out, ep, me):
     """``out[t]`` = the sum over the ranks holding a copy of my token t (``owner``, ``slot`` [T, k]; -1 slots: cut) of row
-    ``me * T + t`` of their shared buffer, in fp32."""
+    ``me * T + t`` of their shared fp32 buffer, in fp32, written in ``out``'s dtype."""
     tokens, h = out.shape
     _sum_ranks_kernel[(tokens,)](s_table, owner, slot, out, tokens, h, me, K=owner.shape[1],
                                  KP=triton.next_power_of_2(owner.shape[1]), EP=ep, BLOCK_H=_block(h), num_warps=WARPS)

@@ -8,7 +8,8 @@ writes buffer X while the backward of the layer after it is still to come), forw
   gradients of the input, the router weights and every expert weight within 1e-2 relative (the same copies; sums in
   fp32 in another order);
 - against dispatch + ``dispatch.exchange`` + combine (NCCL's all-to-all, the exact rows only): within 2e-2 relative
-  (a token's copies summed per rank in bf16 before the sum over ranks; measured: see the assertion's message);
+  (a token's copies summed per rank in fp32 before the sum over ranks, in another order; the grouped GEMM's tiles
+  over padded rows; measured: see the assertion's message);
 - a capacity that cuts: the overflow flag set on both ranks;
 - the whole layer stack captured in one CUDA graph and replayed on new inputs equals the same stack run eagerly.
 """
