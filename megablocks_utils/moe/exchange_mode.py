@@ -1,9 +1,10 @@
-"""The opt-in static expert exchange and the check that keeps it exact: ``use_static_exchange`` and ``run_exactly``.
+"""The static expert exchange and the check that keeps it exact: ``use_static_exchange`` and ``run_exactly`` (the
+default at ep 2 on one GPU node, train/auto_exchange.py; opt-in elsewhere).
 
 Why: the exact exchange (``dispatch.exchange``) reads every layer's counts on the host, one sync per layer that paces
 the GPUs at ep 2 and 4. With ``ep_capacity_factor`` F > 0 every MoE layer exchanges at fixed shapes instead, with no
-host sync (the mode's transport: ``pull_exchange``, each rank reading at most F x its mean rows from its peers' GPU
-memory, or ``static_exchange``, blocks of F x a peer's share through the all-to-all) and adds its ``overflow`` flag (a
+host sync (the mode's transport: ``pull_exchange``, each rank receiving at most F x its mean rows, read from its peers'
+GPU memory one row per token and rank, or ``static_exchange``, blocks of F x a peer's share through the all-to-all) and adds its ``overflow`` flag (a
 device bool) to the model's ``ExchangeMode``. ``run_exactly`` wraps a micro-step's forward:
 
   arm (exact off, flags cleared) -> the forward, every layer static -> OR of the flags, all-reduced (MAX) over the

@@ -22,8 +22,8 @@ anything. ``LocalExperts``' grouped GEMM does (its offsets end at the valid coun
 reads the counts and splits all rows by them), nor does the experts' bias (a one-hot of all rows, gpt-oss).
 
 The layer uses it where ``ep_capacity_factor`` > 0 and the mode's transport is "all_to_all" (on CPU ranks, or GPUs across
-nodes; within a node GPUs read their rows from each other's memory instead, ``pull_exchange.py``, the same contract
-without padding on the wire); its compute runs the per-expert loop on the valid rows only, and
+nodes; within a node GPUs read from each other's memory instead, ``pull_exchange.py``: one row per token and rank,
+no padding on the wire); its compute runs the per-expert loop on the valid rows only, and
 ``exchange_mode.run_exactly`` is the caller above: the check once per micro-step and the rerun on the exact exchange
 (tests/test_exchange_mode.py, on CPU ranks). Proved on CPU ranks (tests/test_static_exchange.py);
 bench/static_exchange_probe.py measured it on GPUs (the padding's cost: bench/reports/ep_graphs_h200x4_2026-11-27d.md).
