@@ -1,8 +1,8 @@
 """Micro-steps replayed from CUDA graphs at ep = world size = 2 (train/cuda_graph.py) train as the same steps launched
 from Python.
 
-What makes them capturable there: the static exchange (``--ep_capacity_factor``: fixed all-to-all splits, no host
-sync; moe/exchange_mode.py) and the dense weights whole on every rank (``--fsdp_wrap none``: no FSDP hook in a
+What makes them capturable there: the static exchange (``--ep_capacity_factor``: fixed shapes, each rank reading from
+its peers' GPU memory, no host sync; moe/exchange_mode.py, moe/pull_exchange.py) and the dense weights whole on every rank (``--fsdp_wrap none``: no FSDP hook in a
 micro-step, their gradients averaged after the step's micro-steps). An overflow is found once a step, after the
 micro-steps (``StepLoss(defer_overflow=True)``), and the step is run again eagerly on the exact exchange.
 
