@@ -12,7 +12,7 @@ row before the trip back.
   trip out: my tokens (buffer X), each copy's expert, sorted row and router weight (meta) and my counts published,
   barrier -> every rank's counts read -> the plan (``pull_plan``) -> for every (source, token) pair with copies for my
   experts, its row read once and written to those copies' slots, expert-major ([capacity, H], zeros past the valid
-  rows), with their weights -> ``compute`` -> trip back: each pair's weighted outputs summed into one row of buffer S,
+  rows), with their weights -> ``compute`` -> trip back: each pair's weighted outputs summed into one fp32 row of S,
   barrier -> each of my tokens' rows read from the ranks holding its copies and summed: the layer's output [T, H].
 
 The backward reads the same way: the output's gradient published in X, each pair's read once (times each slot's weight;
