@@ -148,7 +148,8 @@ try:
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
         attention=None, activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
         lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
-        fsdp=int(os.environ.get("WORLD_SIZE", 1)) > 1 and fsdp_wrap != "none", static_exchange=ep_capacity_factor > 0,
+        fsdp=int(os.environ.get("WORLD_SIZE", 1)) > 1 and fsdp_wrap != "none" and not (factor_auto and ep_capacity_factor > 0),
+        static_exchange=ep_capacity_factor > 0,  # (auto's factor comes with fsdp_wrap auto resolved to none)
         ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1))))
     # cuda_graphs segments that cannot run is refused here too; the attention is the one auto would pick for packed rows
     segments_planned = resolve_segment_graphs(cuda_graphs, segment_blocker(
