@@ -84,9 +84,9 @@ def runs(tiny_model_dir, small_data, two_rank_run, tmp_path_factory):
         readme_command(), *model, "--output_dir", out["fsdp1"], *STEPS, "--ep_size", "2",
         "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2",
     )
-    accelerate_launch(
+    accelerate_launch(  # ep_capacity_factor -1 (auto) is the exact exchange in this script (and trains as the default)
         readme_command(), *model, "--output_dir", out["one"], *STEPS, "--ep_size", "1", "--per_device_train_batch_size", "4",
-        "--report_to", "tensorboard", num_processes=1,
+        "--report_to", "tensorboard", "--ep_capacity_factor", "-1", num_processes=1,
     )
     return {"stdout": result.stdout, "tmp": tmp, "model": model, **out}
 
