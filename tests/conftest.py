@@ -128,6 +128,53 @@ def run_ranks(fn, world_size: int, *args):
         pytest.fail("\n".join(messages) or "a rank failed", pytrace=False)
 
 
+def _run_cases(rank, world_size, cases, out_dir):
+    """``fn(rank, world_size, *args)`` for each (name, (fn, *args)) of ``cases`` in turn, on one process group; each outcome
+    appended to out_dir/rank<rank>.jsonl. At the first failure the rank leaves at once: the others' next collective
+    fails (gloo sees the closed connection) and torch.multiprocessing ends them, so a failure is never a hang."""
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    for name, (fn, *args) in cases:
+        try:
+            fn(rank, world_size, *args)
+            error = None
+        except Exception:
+            error = traceback.format_exc()
+        with open(path, "a") as f:
+            f.write(json.dumps({"case": name, "error": error}) + "\n")
+        if error:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def run_rank_cases(world_size: int, cases: dict, out_dir: str) -> dict:
+    """``run_ranks`` for many checks in one start of the ranks (their imports and process group paid once; a module
+    fixture shares it, each case's test reads its outcome). ``cases``: {name: (fn, *args)}, run in order. Returns
+    {name: None where every rank passed it, else what went wrong}; cases after a failed one are not judged, and say so."""
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        run_ranks(_run_cases, world_size, list(cases.items()), out_dir)
+    except pytest.fail.Exception:
+        pass  # the records below say which case failed
+    records = {name: {} for name in cases}
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.jsonl")
+        for line in open(path).read().splitlines() if os.path.exists(path) else []:
+            record = json.loads(line)
+            records[record["case"]][rank] = record["error"]
+    outcome, failed = {}, None
+    for name, by_rank in records.items():  # in the order they ran
+        errors = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(by_rank.items()) if e)
+        if failed:  # what a rank saw after a peer left is no finding about this case
+            outcome[name] = f"not judged: case {failed} failed before it" + (f"; then:\n{errors}" if errors else "")
+        elif errors or len(by_rank) < world_size:
+            outcome[name] = errors or f"no outcome from ranks {sorted(set(range(world_size)) - set(by_rank))}: a rank died"
+            failed = name
+        else:
+            outcome[name] = None
+    return outcome
+
+
 def run_in_triton_interpreter(code: str) -> dict:
     """Run ``code`` (a script that prints one JSON line last) in a child process with Triton's CPU interpreter on
     (``TRITON_INTERPRET`` is read when Triton is imported, so not in this process); its JSON."""

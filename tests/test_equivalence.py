@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
+from conftest import ARCHITECTURES, run_rank_cases, run_ranks, tiny_moe_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -126,17 +126,38 @@ def check_every_architecture(rank, world, ep_size, only=""):
             raise AssertionError(f"{arch}: {e}") from e
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """The 2-rank checks of this file on one start of the ranks (spawns are the cost): each one's outcome."""
+    cases = {"every_architecture_ep2": (check_every_architecture, 2), "every_architecture_ep1": (check_every_architecture, 1),
+             "collapsed_top1": (check_matches_single_process, 2, "collapsed", 1),
+             "collapsed_top2": (check_matches_single_process, 2, "collapsed", 2),
+             "whole_model_unit": (check_whole_model_unit,), "overlap_chunks": (check_overlap_chunks_change_nothing,),
+             "bf16_recompute": (check_bf16_recompute,), "dp1_expert_gradients": (check_dp1_expert_gradients_are_exact,)}
+    return run_rank_cases(2, cases, str(tmp_path_factory.mktemp("two_ranks")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    """The 4-rank checks (the slow tests) on one start of 4 ranks."""
+    cases = {"every_architecture_ep2": (check_every_architecture, 2), "other_layouts": (check_other_layouts,)}
+    return run_rank_cases(4, cases, str(tmp_path_factory.mktemp("four_ranks")))
+
+
+def passed(outcomes: dict, case: str) -> None:
+    assert outcomes[case] is None, outcomes[case]
+
+
 @pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_every_architecture_matches_single_process(dp, ep):
-    """Every row of the model table (Mixtral included) on meshes (1,2), (2,1), (2,2); one spawn per mesh
-    runs all architectures (spawns are the cost)."""
-    run_ranks(check_every_architecture, dp * ep, ep)
+def test_every_architecture_matches_single_process(request, dp, ep):
+    """Every row of the model table (Mixtral included) on meshes (1,2), (2,1), (2,2); all architectures in one case."""
+    passed(request.getfixturevalue("four_ranks" if dp * ep == 4 else "two_ranks"), f"every_architecture_ep{ep}")
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_collapsed_routing_is_exact(top_k):
+def test_collapsed_routing_is_exact(two_ranks, top_k):
     """All tokens to the same expert(s): other experts get nothing, rank 0 sends nothing away."""
-    run_ranks(check_matches_single_process, 2, 2, "collapsed", top_k)
+    passed(two_ranks, f"collapsed_top{top_k}")
 
 
 def check_one_rank(rank, world):
@@ -166,10 +187,10 @@ def check_whole_model_unit(rank, world):
                 raise AssertionError(f"{arch} ep={ep_size}: {e}") from e
 
 
-def test_whole_model_fsdp_unit_matches_single_process():
+def test_whole_model_fsdp_unit_matches_single_process(two_ranks):
     """fsdp_wrap="model" (the dense weights as one FSDP unit, gathered once per forward and kept for the backward): the
     same loss, logits and gradients as one process, at ep 2 (dp 1) and at ep 1 (dp 2, experts under FSDP too)."""
-    run_ranks(check_whole_model_unit, 2)
+    passed(two_ranks, "whole_model_unit")
 
 
 def check_other_layouts(rank, world):
@@ -182,9 +203,9 @@ def check_other_layouts(rank, world):
 
 
 @pytest.mark.slow
-def test_replicated_experts_and_hsdp_match_single_process():
+def test_replicated_experts_and_hsdp_match_single_process(four_ranks):
     """The other expert layout and HSDP on 4 ranks; Qwen2-MoE (shared expert and a dense layer) covers most."""
-    run_ranks(check_other_layouts, 4)
+    passed(four_ranks, "other_layouts")
 
 
 def check_overlap_chunks_change_nothing(rank, world):
@@ -214,8 +235,8 @@ def check_overlap_chunks_change_nothing(rank, world):
                 assert rel_err(results[chunks][1][name], grad) <= 1e-5, (top_k, chunks, name)
 
 
-def test_overlap_chunks_change_nothing():
-    run_ranks(check_overlap_chunks_change_nothing, 2)
+def test_overlap_chunks_change_nothing(two_ranks):
+    passed(two_ranks, "overlap_chunks")
 
 
 def check_bf16_recompute(rank, world):
@@ -242,8 +263,8 @@ def check_bf16_recompute(rank, world):
             assert rel_err(grad, grads["none"][name]) <= 2e-2, (mode, name, rel_err(grad, grads["none"][name]))
 
 
-def test_bf16_activation_checkpointing_recomputes_what_the_forward_saw():
-    run_ranks(check_bf16_recompute, 2)
+def test_bf16_activation_checkpointing_recomputes_what_the_forward_saw(two_ranks):
+    passed(two_ranks, "bf16_recompute")
 
 
 def check_dp1_expert_gradients_are_exact(rank, world):
@@ -286,5 +307,5 @@ def check_dp1_expert_gradients_are_exact(rank, world):
             assert grad.dtype == weights and torch.equal(grad, grads["fp32 FSDP"][name]), (weights, name)
 
 
-def test_dp1_expert_gradients_equal_fp32_fsdp_reduce():
-    run_ranks(check_dp1_expert_gradients_are_exact, 2)
+def test_dp1_expert_gradients_equal_fp32_fsdp_reduce(two_ranks):
+    passed(two_ranks, "dp1_expert_gradients")

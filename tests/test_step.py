@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import run_ranks, tiny_mixtral_config
+from conftest import run_rank_cases, tiny_mixtral_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -104,8 +104,20 @@ def check_step_loss_is_one_process_step(rank, world, ep_size, chunked, fsdp_wrap
     assert isinstance(model.get_parameter(ROOT_WEIGHT), DTensor) == (fsdp_wrap != "none"), fsdp_wrap
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked_loss"])
-@pytest.mark.parametrize("ep_size,fsdp_wrap", [(1, "layer"), (2, "layer"), (2, "model"), (2, "none")],
-                         ids=["dp2", "ep2", "ep2-model-unit", "ep2-replicated-dense"])
-def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(ep_size, fsdp_wrap, chunked):
-    run_ranks(check_step_loss_is_one_process_step, 2, ep_size, chunked, fsdp_wrap)
+MESHES = {"dp2": (1, "layer"), "ep2": (2, "layer"), "ep2-model-unit": (2, "model"), "ep2-replicated-dense": (2, "none")}
+LOSSES = {"full_logits": False, "chunked_loss": True}
+
+
+@pytest.fixture(scope="module")
+def step_cases(tmp_path_factory) -> dict:
+    """Every mesh and loss below on one start of 2 ranks (``run_rank_cases``): each case's outcome."""
+    cases = {f"{mesh}-{loss}": (check_step_loss_is_one_process_step, MESHES[mesh][0], chunked, MESHES[mesh][1])
+             for mesh in MESHES for loss, chunked in LOSSES.items()}
+    return run_rank_cases(2, cases, str(tmp_path_factory.mktemp("step_cases")))
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_step_loss_over_ranks_and_micro_steps_is_one_process_step(step_cases, mesh, loss):
+    error = step_cases[f"{mesh}-{loss}"]
+    assert error is None, error

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import psutil
@@ -106,12 +107,10 @@ def test_fsdp2_dead_rank_ends_every_rank(tiny_model_dir, tmp_path):
     assert not os.path.exists(os.path.join(out, "summary.json"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
-def test_stuck_rank_times_out_every_rank(tiny_model_dir, tmp_path, script):
+def stuck_rank(tiny_model_dir: str, out: str, script: str) -> str:
     """SIGSTOP of rank 1 (a hang: its connections stay open): rank 0 fails when its collective times out,
-    after the configured timeout; the launcher then stops rank 1, which fails when it runs again."""
-    out = str(tmp_path / "run")
+    after the configured timeout; the launcher then stops rank 1, which fails when it runs again. Returns the
+    launcher's stderr."""
     if script == "train_fsdp2.py":
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
         timeout_flag = "--collective_timeout_s"
@@ -132,7 +131,24 @@ def test_stuck_rank_times_out_every_rank(tiny_model_dir, tmp_path, script):
         waited = time.time() - stopped
         assert waited > TIMEOUT_S / 2, waited  # the timeout ended rank 0, nothing sooner
         ranks[1].resume()  # it has torchrun's SIGTERM pending; stopped, it would wait for torchrun's SIGKILL 30 s later
-        stderr = assert_all_gone(proc, ranks, stopped, TIMEOUT_S + 120)
+        return assert_all_gone(proc, ranks, stopped, TIMEOUT_S + 120)
     finally:
         kill_all(proc, ranks)
+
+
+SCRIPTS = ["train_fsdp2.py", "train_fsdp1.py"]
+
+
+@pytest.fixture(scope="module")
+def stuck_runs(tiny_model_dir, tmp_path_factory) -> dict:
+    """Both scripts' stuck-rank runs at once (``stuck_rank``): each spends most of its time waiting on its timeout, so
+    side by side they cost one wait. Each script's future: its stderr, or the failure it raised."""
+    with ThreadPoolExecutor(len(SCRIPTS)) as pool:
+        return {s: pool.submit(stuck_rank, tiny_model_dir, str(tmp_path_factory.mktemp("stuck") / "run"), s) for s in SCRIPTS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_stuck_rank_times_out_every_rank(stuck_runs, script):
+    stderr = stuck_runs[script].result()  # raises what stuck_rank raised
     assert "Timed out" in stderr or "timed out" in stderr, stderr[-3000:]
