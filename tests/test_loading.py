@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_config
+from conftest import ARCHITECTURES, run_rank_cases, run_ranks, tiny_mixtral_config, tiny_moe_config
 
 from megablocks_utils import load_model, spec_for
 from megablocks_utils.errors import InputError
@@ -127,13 +127,14 @@ def test_weights_transformers_keeps_in_fp32_take_the_asked_dtype():
     assert router.weight.requires_grad and {n: b.dtype for n, b in model.named_buffers()} == buffers
 
 
-def test_every_architecture_loads_from_hub_layout(tmp_path):
-    """transformers' own save_pretrained writes the hub layout; our exporter's names must be the same."""
+def write_every_architecture(folder: str) -> dict:
+    """Each architecture's tiny model saved by transformers' own save_pretrained (the hub layout) under ``folder``: per
+    architecture its path, the names it saved, our exporter's names for it and its files."""
     from transformers import AutoModelForCausalLM
 
     from megablocks_utils.model.export import hub_state_dict
 
-    paths = {}
+    written = {}
     for arch in ARCHITECTURES:
         torch.manual_seed(3)
         model = AutoModelForCausalLM.from_config(tiny_moe_config(arch))
@@ -144,13 +145,42 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
             for p in model.parameters():
                 if not p.any():
                     p.normal_(std=0.02)
-        paths[arch] = str(tmp_path / arch)
-        model.save_pretrained(paths[arch], max_shard_size="100KB")
-        saved = json.load(open(os.path.join(paths[arch], "model.safetensors.index.json")))["weight_map"]
-        assert len(set(saved.values())) >= 2, f"{arch}: the test checkpoint must span several files"
-        assert sorted(saved) == sorted(hub_state_dict(model)), f"{arch}: hub names differ from transformers'"
-        assert check_model_dir(paths[arch])[0] == getattr(model.config, spec_for(model.config).num_experts_attr), arch
-    run_ranks(check_every_architecture_loads, 2, paths)
+        path = os.path.join(folder, arch)
+        model.save_pretrained(path, max_shard_size="100KB")
+        saved = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+        written[arch] = {"path": path, "saved": sorted(saved), "ours": sorted(hub_state_dict(model)), "files": len(set(saved.values())),
+                         "experts": getattr(model.config, spec_for(model.config).num_experts_attr)}
+    return written
+
+
+# The 2-rank loads of this file on one start of the ranks (spawns are the cost), keyed as the tests' ids.
+TWO_RANK_LAYOUTS = {"hub-dp1-ep2": ("hub", 2), "fused-dp1-ep2": ("fused", 2), "fused-dp2-ep1": ("fused", 1)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """The test checkpoints: tiny Mixtral in each layout, and every architecture in the hub layout."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    paths = {layout: str(folder / layout) for layout in ("hub", "fused")}
+    for layout, path in paths.items():
+        write_checkpoint(path, layout)
+    return {**paths, "architectures": write_every_architecture(str(folder / "architectures"))}
+
+
+@pytest.fixture(scope="module")
+def two_rank_loads(checkpoints, tmp_path_factory) -> dict:
+    cases = {"every_architecture": (check_every_architecture_loads, {a: w["path"] for a, w in checkpoints["architectures"].items()})}
+    cases |= {name: (check_local_experts, ep, checkpoints[layout], layout) for name, (layout, ep) in TWO_RANK_LAYOUTS.items()}
+    return run_rank_cases(2, cases, str(tmp_path_factory.mktemp("two_rank_loads")))
+
+
+def test_every_architecture_loads_from_hub_layout(checkpoints, two_rank_loads):
+    """transformers' own save_pretrained writes the hub layout; our exporter's names must be the same."""
+    for arch, written in checkpoints["architectures"].items():
+        assert written["files"] >= 2, f"{arch}: the test checkpoint must span several files"
+        assert written["saved"] == written["ours"], f"{arch}: hub names differ from transformers'"
+        assert check_model_dir(written["path"])[0] == written["experts"], arch
+    assert two_rank_loads["every_architecture"] is None, two_rank_loads["every_architecture"]
 
 
 @pytest.mark.parametrize("layout,world,ep", [
@@ -159,10 +189,9 @@ def test_every_architecture_loads_from_hub_layout(tmp_path):
     ("fused", 2, 1),
     pytest.param("hub", 4, 2, marks=pytest.mark.slow),
 ], ids=["hub-dp1-ep2", "fused-dp1-ep2", "fused-dp2-ep1", "hub-dp2-ep2"])
-def test_each_rank_reads_only_its_experts(tmp_path, layout, world, ep):
+def test_each_rank_reads_only_its_experts(request, checkpoints, layout, world, ep):
     """Rank r reads its ep rank's experts (rank % ep), and only those; its dp replicas read the same."""
-    path = str(tmp_path / layout)
-    write_checkpoint(path, layout)
+    path = checkpoints[layout]
     files = set(json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"].values())
     assert len(files) >= 2, "the test checkpoint must span several files"
     if layout == "hub":
@@ -171,13 +200,15 @@ def test_each_rank_reads_only_its_experts(tmp_path, layout, world, ep):
         w3 = index["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
         assert w1 != w3, "one expert's w1 and w3 should sit in different files"
     assert check_model_dir(path) == (4, "num_local_experts")
-    run_ranks(check_local_experts, world, ep, path, layout)
+    if world == 2:
+        outcome = request.getfixturevalue("two_rank_loads")[request.node.callspec.id]
+        assert outcome is None, outcome
+    else:
+        run_ranks(check_local_experts, world, ep, path, layout)
 
 
-def test_ep1_loads_all_experts(tmp_path):
-    path = str(tmp_path / "hub")
-    write_checkpoint(path, "hub")
-    run_ranks(check_local_experts, 1, 1, path, "hub")
+def test_ep1_loads_all_experts(checkpoints):
+    run_ranks(check_local_experts, 1, 1, checkpoints["hub"], "hub")
 
 
 def test_ep_size_errors_name_the_valid_choices():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, run_ranks, tiny_mixtral_config, tiny_moe_config
+from conftest import ARCHITECTURES, run_rank_cases, tiny_mixtral_config, tiny_moe_config
 
 from megablocks_utils import (
     build_mesh,
@@ -97,12 +97,19 @@ def check_clip_folded_into_adamw_bf16(rank, world):
                 assert torch.equal(first_optim.state[p][key].to_local(), fold_optim.state[q][key].to_local()), (ep_size, name, key)
 
 
-def test_adamw_bf16_with_the_clip_folded_in_trains_the_same_bits():
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """This file's 2-rank checks on one start of the ranks (spawns are the cost): each one's outcome."""
+    cases = {"clip_folded": (check_clip_folded_into_adamw_bf16,), "every_optim": (check_every_optim,)}
+    return run_rank_cases(2, cases, str(tmp_path_factory.mktemp("optim_ranks")))
+
+
+def test_adamw_bf16_with_the_clip_folded_in_trains_the_same_bits(two_ranks):
     """adamw_bf16 multiplying the clip's coefficient into each gradient as its update reads it (``clipped_step`` of a
     step prepared ahead, train_fsdp2.py's path) gives the weights, moments and losses of clipping the gradients in place first, bit for bit:
     the update rounds the product to bf16 as the in-place multiply stores it (adamw_bf16.py). Equal noise: the same
     seeds, drawn in the same order."""
-    run_ranks(check_clip_folded_into_adamw_bf16, 2)
+    assert two_ranks["clip_folded"] is None, two_ranks["clip_folded"]
 
 
 def _state_bytes_of(state: dict) -> int:
@@ -111,8 +118,8 @@ def _state_bytes_of(state: dict) -> int:
     return state_bytes(holder)
 
 
-def test_every_optim_trains_in_its_precision_on_two_meshes():
-    run_ranks(check_every_optim, 2)
+def test_every_optim_trains_in_its_precision_on_two_meshes(two_ranks):
+    assert two_ranks["every_optim"] is None, two_ranks["every_optim"]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
