@@ -183,10 +183,11 @@ def data_file(run: str, work: str, directory: str, steps: int, seq: int = SEQ) -
 
 def placed_model(run: str, args, work: str) -> str:
     """The checkpoint with its experts placed on --ep ranks by the loads an earlier run of this invocation recorded
-    (``*_placed`` needs its plain run first: ours_synthetic before ours_synthetic_placed), written once per call."""
+    (``*_placed`` needs its plain run first: ours_synthetic before ours_synthetic_placed; with --placed_by R, run R's
+    loads: out of sample, e.g. the chat records placed by the alpaca records' loads), written once per call."""
     from megablocks_utils.model.placement import place
 
-    base = run.removesuffix("_placed")
+    base = args.placed_by or run.removesuffix("_placed")
     loads_file = os.path.join(work, f"{base}.loads.json")
     if not os.path.isfile(loads_file):
         raise SystemExit(f"error: {run} places the experts by {base}'s loads: list {base} before it in --runs")
@@ -481,6 +482,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/real_data")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--routing", default="own", help="both sides: own, balanced or skew:R (bench/routing_skew.py)")
+    p.add_argument("--placed_by", default="", help="the *_placed runs place the experts by this earlier run's loads (default: "
+                   "each by its own plain run's, in-sample)")
     p.add_argument("--static_factor", default=STATIC_FACTOR, help="the *_static and *_graphs runs' --ep_capacity_factor")
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per row (4096; shorter for a CPU smoke test)")
     p.add_argument("--shrink", action="store_true", help="a tiny version of the shape (a CPU smoke test of this script)")

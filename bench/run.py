@@ -394,7 +394,8 @@ def real_data(s: Session) -> str:
                 "peer at N GPUs (bench_peer_hf.py has no balanced routing). Balanced against own tells the ranks' uneven "
                 "loads apart from the cost of every layer's exchange"),
          option("--run_timeout", type=float, default=300), option("--shrink", action="store_true", help="a tiny shape (CPU smoke)"),
-         option("--static_factor", default="", help="the *_static and *_graphs runs' ep_capacity_factor (real_data.py's default: empty)"))
+         option("--static_factor", default="", help="the *_static and *_graphs runs' ep_capacity_factor (real_data.py's default: empty)"),
+         option("--placed_by", default="", help="real_data.py's --placed_by: the *_placed runs placed by this run's loads"))
 def ep_scaling(s: Session) -> str:
     """Tokens/s per GPU at each GPU count with ep = the count: ours on synthetic rows and chat records at defaults
     (bench/real_data.py --ep N) and transformers' FSDP2 + EP on the same checkpoint and batch (bench/bench_peer_hf.py on N
@@ -413,7 +414,8 @@ def ep_scaling(s: Session) -> str:
                    "--runs", runs, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
                    "--run_timeout", str(a.run_timeout), "--out", s.part, "--ep", str(n), "--seq", str(seq),
                    "--routing", a.routing, *(["--shrink"] if a.shrink else []),
-                   *(["--static_factor", a.static_factor] if a.static_factor else [])]
+                   *(["--static_factor", a.static_factor] if a.static_factor else []),
+                   *(["--placed_by", a.placed_by] if a.placed_by else [])]
         s.run(f"ours_{n}gpu", command, a.run_timeout * (len(runs.split(",")) + 1), gpus_used=n)
         if n > 1 and not a.no_peer and a.routing == "own":
             flags = ["--seq", str(seq), "--micro_batch", str(MICRO_BATCH), "--grad_accum", str(GRAD_ACCUM), "--warmup", str(a.warmup),

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TWO_RANK_ARGS, read_jsonl, run_ranks, standard_args, tiny_mixtral_config, tiny_moe_config, train_fsdp2
+from conftest import TWO_RANK_ARGS, read_jsonl, run_rank_cases, run_ranks, standard_args, tiny_mixtral_config, tiny_moe_config, train_fsdp2
 from test_train_fsdp1 import accelerate_launch, readme_command
 from torch.distributed.tensor import DTensor
 
@@ -130,10 +130,22 @@ def check_static_exchange_is_exact(rank, world, transport):
         assert rerun_ac[2:] == (True, (layers, layers), (0, layers)), (checkpointing, rerun_ac[2:])  # recomputed exactly
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """This file's 2-rank checks on one start of the ranks (spawns are the cost): each one's outcome."""
+    cases = {"exact_all_to_all": (check_static_exchange_is_exact, "all_to_all"), "exact_gathered": (check_static_exchange_is_exact, "gathered"),
+             "deferred_overflow": (check_deferred_overflow_reruns_the_step,), "settings": (check_settings,)}
+    return run_rank_cases(2, cases, str(tmp_path_factory.mktemp("exchange_ranks")))
+
+
+def passed(outcomes: dict, case: str) -> None:
+    assert outcomes[case] is None, outcomes[case]
+
+
 @pytest.mark.parametrize("transport", ["all_to_all", "gathered"])
-def test_static_exchange_gives_the_exact_loss_and_gradients_and_reruns_an_overflow(transport):
+def test_static_exchange_gives_the_exact_loss_and_gradients_and_reruns_an_overflow(two_ranks, transport):
     """Both transports: blocks through the all-to-all, and rows pulled from the peers' (here all-gathered) buffers."""
-    run_ranks(check_static_exchange_is_exact, 2, transport)
+    passed(two_ranks, f"exact_{transport}")
 
 
 def deferred_step(reference, rank, factor):
@@ -190,10 +202,10 @@ def check_deferred_overflow_reruns_the_step(rank, world):
     assert rerun[2:] == (True, (layers, 0)), rerun[2:]
 
 
-def test_a_deferred_overflow_reruns_the_whole_step_exactly():
+def test_a_deferred_overflow_reruns_the_whole_step_exactly(two_ranks):
     """Under CUDA graphs (no check between a micro-step's forward and backward) an overflow is found after the step's
     micro-steps; the step from zeroed gradients on the exact exchange gives the exact step's sums and gradients."""
-    run_ranks(check_deferred_overflow_reruns_the_step, 2)
+    passed(two_ranks, "deferred_overflow")
 
 
 def check_replayed_micro_step_records_no_rerun(rank, world):
@@ -254,8 +266,8 @@ def test_auto_reads_peers_memory_only_on_gpus_within_one_node():
         choose_transport("pull", "cuda", 16, 8)
 
 
-def test_factor_zero_sets_nothing_ep1_says_so_and_biases_are_refused():
-    run_ranks(check_settings, 2)
+def test_factor_zero_sets_nothing_ep1_says_so_and_biases_are_refused(two_ranks):
+    passed(two_ranks, "settings")
 
 
 OVERFLOWING = "0.1"
