@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT, every_rank_failed, free_port, read_jsonl, run_ranks
 
-TIMEOUT_S = 20  # small, yet well above any wait of a healthy run on 2 cores shared with another test file (-n 2)
+TIMEOUT_S = 20  # small, yet well above any wait of a healthy run on 2 cores shared with another test file (-n 2) and
+# with the other script's stuck-rank run (``stuck_runs`` starts both at once)
 
 
 def check_mesh_groups_time_out(rank, world_size, timeout_s):
