@@ -4,6 +4,7 @@ the same balanced hooks, every expert exactly the same share (a smoke test of th
 GPU). gpt-oss-20b's shape runs the same code path (its model is tested in tests/test_gpt_oss.py and
 test_scripts_models.py); it was left out of the suite for time (24 s on 2 cores)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -94,3 +95,32 @@ def test_a_numa_run_asks_torchrun_to_bind_its_ranks(monkeypatch, tmp_path):
     same_script_args = [a.replace("ours_chat_numa", "ours_chat") for a in numa[script:]]  # its own output folder
     assert "--numa-binding" not in plain and numa[:4] == plain[:4]
     assert same_script_args == plain[plain.index(os.path.join(ROOT, "train_fsdp2.py")):]
+
+
+def test_placed_by_places_every_placed_run_by_the_named_runs_loads(tiny_model_dir, tmp_path):
+    """``*_placed`` runs take their own plain run's loads (in-sample), or with --placed_by another run's (out of sample):
+    the placed checkpoint's order is the named run's balanced placement, each layer's hot expert on its own rank."""
+    from real_data import placed_model
+
+    from megablocks_utils.model.loading import load_config
+
+    layers = load_config(tiny_model_dir).num_hidden_layers
+    work = str(tmp_path)
+    hot = {"ours_chat": [8, 7, 0, 0, 0, 0, 0, 1], "ours_alpaca": [0, 0, 0, 0, 0, 1, 8, 7]}  # two hot experts, by run
+    for run, load in hot.items():
+        with open(os.path.join(work, f"{run}.loads.json"), "w") as f:
+            json.dump([[float(n) for n in load]] * layers, f)
+
+    def order(placed_by: str) -> list[int]:
+        args = argparse.Namespace(dir=tiny_model_dir, ep=2, placed_by=placed_by)
+        placed = placed_model("ours_chat_placed", args, work)
+        assert placed.endswith(f"-placed-ep2-{placed_by or 'ours_chat'}"), placed
+        with open(os.path.join(placed, "expert_order.json")) as f:
+            orders = json.load(f)["orders"]
+        assert len(orders) == layers and len({tuple(o) for o in orders.values()}) == 1
+        return next(iter(orders.values()))
+
+    own, by_alpaca = order(""), order("ours_alpaca")
+    assert sorted(own[:4]) != sorted(by_alpaca[:4])  # different loads, different blocks
+    assert {0, 1} & set(own[:4]) and {0, 1} & set(own[4:])  # chat's hot experts 0 and 1 on different ranks
+    assert {6, 7} & set(by_alpaca[:4]) and {6, 7} & set(by_alpaca[4:])  # alpaca's 6 and 7
