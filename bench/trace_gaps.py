@@ -60,7 +60,28 @@ def collectives(gpu: list[dict]) -> list[tuple[str, int, float, float]]:
     return [(n, c, round(t / 1e3, 2), round(x / 1e3, 2)) for n, (c, t, x) in sorted(rows.items(), key=lambda kv: -kv[1][1])]
 
 
-def analyse(events: list[dict], min_us: float = 5.0, top: int = 25) -> dict:
+def beside(gpu: list[dict], prefix: str, top: int = 12) -> dict:
+    """The kernels named ``prefix...``: their durations in trace order, and what ran on other streams while they ran
+    (by kernel name, the overlapping time): a kernel slower in the step than alone may share the GPU's SMs or memory."""
+    mine = sorted((e for e in gpu if e["name"].startswith(prefix)), key=lambda e: e["ts"])
+    others: dict = defaultdict(float)
+    for m in mine:
+        a, b = m["ts"], m["ts"] + m["dur"]
+        for e in gpu:
+            if e is m or (e["pid"], e["tid"]) == (m["pid"], m["tid"]):
+                continue
+            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+            if overlap > 0:
+                others[e["name"].split("(", 1)[0][:80]] += overlap
+    durations = [m["dur"] for m in mine]
+    ordered = sorted(durations)
+    return {"kernel": prefix, "count": len(mine), "ms": round(sum(durations) / 1e3, 2),
+            "us_min_median_max": [round(ordered[0]), round(ordered[len(ordered) // 2]), round(ordered[-1])] if mine else [],
+            "us_in_order": [round(d) for d in durations],
+            "beside_ms": [(n, round(t / 1e3, 2)) for n, t in sorted(others.items(), key=lambda kv: -kv[1])[:top]]}
+
+
+def analyse(events: list[dict], min_us: float = 5.0, top: int = 25, beside_kernel: str = "") -> dict:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     per_stream: dict = defaultdict(list)
     for e in gpu:
@@ -126,7 +147,7 @@ def analyse(events: list[dict], min_us: float = 5.0, top: int = 25) -> dict:
             "host_late_by_launcher": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(host_gaps)],
             "device_wait_before_kernel": [(n, c, round(t / 1e3, 2)) for n, (c, t) in rank(device_gaps)],
             "kernel_time": [(n, c, round(t / 1e3, 3)) for n, (c, t) in rank(by_kernel)],
-            "collectives": collectives(gpu)}
+            "collectives": collectives(gpu), **({"beside": beside(gpu, beside_kernel)} if beside_kernel else {})}
 
 
 def render(result: dict) -> str:
@@ -143,6 +164,12 @@ def render(result: dict) -> str:
     if result.get("collectives"):
         lines += ["", "| collective (every stream, whole trace) | kernels | ms | exposed ms (no other kernel beside) |", "|---|---|---|---|"]
         lines += [f"| {n} | {c} | {t:.2f} | {x:.2f} |" for n, c, t, x in result["collectives"]]
+    if result.get("beside"):
+        found = result["beside"]
+        lines += ["", f"{found['kernel']}: {found['count']} kernels, {found['ms']:.2f} ms, us min/median/max "
+                  f"{found['us_min_median_max']}; in trace order: {found['us_in_order']}", "",
+                  "| beside it on another stream | overlapping ms |", "|---|---|"]
+        lines += [f"| {n} | {t:.2f} |" for n, t in found["beside_ms"]]
     return "\n".join(lines)
 
 
@@ -152,8 +179,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--min_us", type=float, default=5.0, help="gaps shorter than this are counted, not attributed")
     p.add_argument("--out", default="", help="also append the result as one JSON line here")
+    p.add_argument("--beside", default="", help="kernels named so (a prefix): their durations and what ran beside them")
     args = p.parse_args()
-    result = analyse(load(args.trace), args.min_us, args.top)
+    result = analyse(load(args.trace), args.min_us, args.top, args.beside)
     print(render(result))
     if args.out:
         with open(args.out, "a") as f:

@@ -1,9 +1,14 @@
 """The experts' weight gradient with gradient accumulation, one GPU: torch's path against ours.
 
-    python bench/weight_grad_bench.py [--shapes qwen3,dsv2,gptoss] [--configs] [--out FILE.jsonl]
+    python bench/weight_grad_bench.py [--shapes qwen3,dsv2,gptoss] [--configs] [--ep N --hot H | --all_to H] [--divisors 2,3]
+        [--out FILE.jsonl]
 
 For one MoE layer's two expert GEMMs at a model's shape (4096 tokens, every expert the same row count: balanced
-routing), times the backward of a micro-step after the first, whose weight gradient is added to the one there:
+routing; ``--ep N``: one rank's E/N experts and the rows it receives on average, tokens * top_k; ``--hot H``: one
+expert with H times the mean rows (at most one per token of the N ranks), the rest even, the hot one ``--hot_at``
+last (the worst place for index order), "mid" or first; ``--all_to H``: H experts take a row of every token of
+the N ranks, the others 2 rows each, as a random checkpoint's router sends every token to the same top-k), times the
+backward of a micro-step after the first, whose weight gradient is added to the one there:
   torch  autograd through ``F.grouped_mm`` (dX and dW grouped GEMMs, then ``add_`` of the fresh dW into ``.grad``);
   ours   dX by ``F.grouped_mm``, dW by ``moe/weight_grad_kernel.py`` adding into ``.grad`` in its epilogue.
 And each piece alone: torch's dW GEMM (fresh), ``add_``, our kernel fresh and adding (with ``--configs``, for each tile
@@ -46,11 +51,28 @@ def compiled_kernels() -> list:
     return found
 
 
-def run_shape(name, tokens, configs, record):
+def row_counts(experts: int, rows: int, hot: float, hot_at: str, cap: int, all_to: int = 0) -> torch.Tensor:
+    """Rows per expert: even, or one expert with ``hot`` times the mean (at most ``cap``) and the rest even, or
+    ``all_to`` experts with ``cap`` rows each and the rest 2 each."""
+    if all_to:
+        counts = torch.full((experts,), 2, dtype=torch.int32)
+        counts[:all_to] = cap
+        return counts
+    if not hot:
+        counts = torch.full((experts,), rows // experts, dtype=torch.int32)
+        counts[: rows - int(counts.sum())] += 1
+        return counts
+    hot_rows = min(int(hot * rows / experts), cap, rows)
+    counts = row_counts(experts - 1, rows - hot_rows, 0, hot_at, cap)
+    at = {"last": experts - 1, "mid": experts // 2, "first": 0}[hot_at]
+    return torch.cat([counts[:at], torch.tensor([hot_rows], dtype=torch.int32), counts[at:]])
+
+
+def run_shape(name, tokens, configs, record, ep=1, hot=0.0, hot_at="last", all_to=0, divisors=()):
     experts, hidden, inter, k = SHAPES[name]
-    rows = tokens * k
-    counts = torch.full((experts,), rows // experts, dtype=torch.int32, device="cuda")
-    counts[: rows - int(counts.sum())] += 1
+    experts //= ep
+    counts = row_counts(experts, tokens * k, hot, hot_at, tokens * ep, all_to).cuda()
+    rows = int(counts.sum())
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     dt = torch.bfloat16
     for proj, (m, n) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
@@ -84,7 +106,8 @@ def run_shape(name, tokens, configs, record):
         start_check = torch.randn_like(w) * 1e-3
         default_check = grouped_weight_grad(g, x, offs, start_check.clone(), accumulate=True)
         out = {
-            "shape": name, "proj": proj, "experts": experts, "m": m, "n": n, "rows": rows,
+            "shape": name, "proj": proj, "experts": experts, "m": m, "n": n, "rows": rows, "ep": ep, "hot": hot,
+            "hot_at": hot_at if hot else None, "all_to": all_to, "max_rows": int(counts.max()),
             "forward_ms": do_bench(forward_only),
             "torch_fwd_bwd_ms": do_bench(torch_step, grad_to_none=[xp]),
             "ours_fwd_bwd_ms": do_bench(ours_step),
@@ -98,6 +121,8 @@ def run_shape(name, tokens, configs, record):
             out[f"ours_acc_ms[{key}]"] = do_bench(lambda cfg=cfg: grouped_weight_grad(g, x, offs, acc, accumulate=True, config=cfg))
             check = grouped_weight_grad(g, x, offs, start_check.clone(), accumulate=True, config=cfg)
             out[f"ours_equal_default[{key}]"] = bool(torch.equal(check, default_check))
+        for d in divisors:  # the gradient divided on the way (the ranks it is averaged over): 2, 4 by reciprocal, 3 by division
+            out[f"ours_acc_div{d:g}_ms"] = do_bench(lambda d=d: grouped_weight_grad(g, x, offs, acc, accumulate=True, divisor=d))
         out["torch_dw_tflops"] = flops / out["torch_dw_ms"] / 1e9
         out["add_gbps"] = 3 * grad_bytes / out["add_ms"] / 1e6
         # accuracy: against fp64 per expert, the accumulate from a known start
@@ -125,6 +150,11 @@ def main():
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--configs", nargs="?", const="all", default="",
                    help="time every tile configuration of CONFIGS (or these, as BMxBNxBKxWARPSxSTAGES,...), not only the chosen one")
+    p.add_argument("--ep", type=int, default=1, help="one rank of ep N: E/N local experts")
+    p.add_argument("--hot", type=float, default=0.0, help="one expert with this many times the mean rows (0: even)")
+    p.add_argument("--hot_at", choices=("last", "mid", "first"), default="last")
+    p.add_argument("--all_to", type=int, default=0, help="this many experts take a row of every token of the ep ranks")
+    p.add_argument("--divisors", default="", help="also ours adding, divided by each of these (comma-separated)")
     p.add_argument("--out", default="bench/results/weight_grad.jsonl")
     args = p.parse_args()
     if args.configs == "all":
@@ -136,7 +166,8 @@ def main():
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     with open(args.out, "a") as record:
         for name in args.shapes.split(","):
-            run_shape(name, args.tokens, configs, record)
+            run_shape(name, args.tokens, configs, record, args.ep, args.hot, args.hot_at, args.all_to,
+                      [float(d) for d in args.divisors.split(",") if d])
 
 
 if __name__ == "__main__":

@@ -38,3 +38,16 @@ def test_collectives_kernel_time_and_the_part_no_other_kernel_hides():
               kernel("ncclDevKernel_SendRecv(args)", 400, 20, 9)]
     result = analyse(events, min_us=5)
     assert result["collectives"] == [("SendRecv", 2, 0.12, 0.07), ("AllGather_RING_LL", 1, 0.04, 0.03)]
+
+
+def test_a_kernels_durations_and_what_ran_beside_it_on_other_streams():
+    kernel = lambda name, ts, dur, tid: {"ph": "X", "cat": "kernel", "name": name, "pid": 5, "tid": tid, "ts": ts, "dur": dur,  # noqa: E731
+                                        "args": {"correlation": ts}}
+    events = [kernel("_weight_grad_kernel", 0, 100, 7), kernel("ncclDevKernel_AllReduce(args)", 60, 100, 9),  # 40 us beside
+              kernel("gemm", 100, 50, 7),  # the same stream: not beside
+              kernel("_weight_grad_kernel", 200, 300, 7), kernel("barrier_kernel(x)", 250, 10, 8),
+              kernel("ncclDevKernel_AllReduce(args)", 480, 100, 9)]  # 20 us beside the second
+    found = analyse(events, beside_kernel="_weight_grad")["beside"]
+    assert found["count"] == 2 and found["ms"] == 0.4 and found["us_in_order"] == [100, 300]
+    assert found["us_min_median_max"] == [100, 300, 300]
+    assert found["beside_ms"] == [("ncclDevKernel_AllReduce", 0.06), ("barrier_kernel", 0.01)]

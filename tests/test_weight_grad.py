@@ -55,6 +55,12 @@ def _kernel_checks(torch) -> dict:
                 diff = (out.double() - expected.double()).abs()
                 found[key] = {"rel": float(diff.max() / expected.double().abs().max()),
                               "empty_group": bool(torch.equal(out[1], (start[1] if accumulate else torch.zeros_like(out[1]))))}
+        # dividing by 2 and 4 (times the reciprocal) and by 3 (IEEE division): bit for bit torch's division of the
+        # undivided sums, as the unfused cast's backward divides them
+        undivided = grouped_weight_grad(a, b, offs, start.clone(), accumulate=False, config=small)
+        found[f"{str(dtype)[6:]}_divided_bits"] = {
+            f"{d:g}": bool(torch.equal(grouped_weight_grad(a, b, offs, start.clone(), accumulate=False, divisor=d, config=small),
+                                       (undivided.float() / d).to(dtype))) for d in (2.0, 4.0, 3.0)}
     a, b = torch.randn(rows, m), torch.randn(rows, n)
     strided = torch.zeros(4, n, m).transpose(1, 2)  # [4, m, n] of other strides
     grouped_weight_grad(a, b, offs, strided, accumulate=True, config=small)
@@ -172,11 +178,18 @@ def test_kernel_rounds_as_the_unfused_steps(found):
     gradient is zeros (fresh) or what was there (adding)."""
     kernel = found["kernel"]
     for key, got in kernel.items():
-        if key == "strided_rel":
+        if key == "strided_rel" or key.endswith("_divided_bits"):
             continue
         assert got["rel"] <= (1e-6 if key.startswith("float32") else 1e-3), (key, got)
         assert got["empty_group"], (key, got)
     assert kernel["strided_rel"] <= 1e-6, kernel
+
+
+def test_a_power_of_two_divisor_gives_the_bits_of_division(found):
+    """Dividing by 2 or 4 (the kernel multiplies by the exact reciprocal) and by 3 (IEEE division in the kernel): the
+    same bits as torch dividing the undivided gradient in fp32 and rounding it, in fp32 and fp16."""
+    for dtype in ("float32", "float16"):
+        assert found["kernel"][f"{dtype}_divided_bits"] == {"2": True, "4": True, "3": True}, found["kernel"]
 
 
 def test_gradient_added_in_place_equals_autograds(found):

@@ -10,7 +10,13 @@ Each output tile's sum runs over its expert's rows in fp32 and is then rounded a
 compute dtype (the GEMM's output), divided by ``divisor`` in fp32 and rounded to the gradient's dtype (the cast's
 backward, ``cast.py``), and added to the gradient there in fp32 and rounded once (``add_``). So only the GEMM's own
 order of sums differs from torch's kernel.
+
+A divisor that is a power of two (the ranks an expert's gradient is averaged over: 2, 4, 8) multiplies by its
+reciprocal instead: the same real number rounded once, so the same bits, without IEEE division's instruction sequence
+on every element of the gradient.
 """
+
+import math
 
 import torch
 import triton
@@ -45,7 +51,9 @@ def _weight_grad_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, M, N, stride_at, stride
         b = tl.load(b_ptr + rt[:, None] * stride_bt + rn[None, :] * stride_bn, mask=t_in[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
     grad = acc.to(COMPUTE_DTYPE).to(tl.float32)  # the GEMM's output
-    if DIVIDE:
+    if DIVIDE == 1:  # a power of two: times its reciprocal, exact
+        grad = grad * divisor
+    elif DIVIDE == 2:
         grad = tl.math.div_rn(grad, divisor)
     grad = grad.to(out_ptr.dtype.element_ty)  # the cast's backward
     out = out_ptr + expert.to(tl.int64) * stride_oe + rm[:, None] * stride_om + rn[None, :] * stride_on
@@ -53,6 +61,16 @@ def _weight_grad_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, M, N, stride_at, stride
     if ACCUMULATE:
         grad = (tl.load(out, mask=mask).to(tl.float32) + grad.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out, grad, mask=mask)
+
+
+def _division(divisor: float) -> tuple[float, int]:
+    """The kernel's ``divisor`` argument and its ``DIVIDE``: 0 none, 1 times the (exact) reciprocal of a power of two,
+    2 IEEE division."""
+    if divisor == 1:
+        return 1.0, 0
+    if divisor > 0 and math.frexp(divisor)[0] == 0.5:
+        return 1.0 / divisor, 1
+    return divisor, 2
 
 
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -74,9 +92,10 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ou
         return out
     block_m, block_n, block_k, warps, stages = config
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), experts)
+    divisor, divide = _division(float(divisor))
     _weight_grad_kernel[grid](
         a, b, out, offs, m, n, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        float(divisor), ACCUMULATE=accumulate, DIVIDE=divisor != 1, COMPUTE_DTYPE=_TRITON_DTYPES[a.dtype],
+        divisor, ACCUMULATE=accumulate, DIVIDE=divide, COMPUTE_DTYPE=_TRITON_DTYPES[a.dtype],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     return out
