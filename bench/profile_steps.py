@@ -291,7 +291,8 @@ def report(args, prof, times: list[float]) -> None:
     spans = []
     for e in prof.events():
         # the GPU timeline's annotations (ProfilerStep#, Optimizer.step#...) span many kernels: not kernels themselves
-        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name.startswith(("ProfilerStep", "Optimizer.")):
+        annotation = getattr(e, "is_user_annotation", False) or e.name.startswith(("ProfilerStep", "Optimizer."))
+        if e.device_type != torch.autograd.DeviceType.CUDA or annotation:
             continue
         entry = kernels.setdefault(e.name[:110], [0.0, 0])
         entry[0] += e.time_range.elapsed_us()
