@@ -157,6 +157,8 @@ def main():
     p.add_argument("--divisors", default="", help="also ours adding, divided by each of these (comma-separated)")
     p.add_argument("--out", default="bench/results/weight_grad.jsonl")
     args = p.parse_args()
+    if args.hot and args.all_to:
+        p.error("--hot (one busy expert) and --all_to (a few experts with every token) are two routings: give one")
     if args.configs == "all":
         configs = CONFIGS
     elif args.configs:

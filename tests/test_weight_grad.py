@@ -61,6 +61,9 @@ def _kernel_checks(torch) -> dict:
         found[f"{str(dtype)[6:]}_divided_bits"] = {
             f"{d:g}": bool(torch.equal(grouped_weight_grad(a, b, offs, start.clone(), accumulate=False, divisor=d, config=small),
                                        (undivided.float() / d).to(dtype))) for d in (2.0, 4.0, 3.0)}
+    from megablocks_utils.moe.weight_grad_kernel import _division
+
+    found["division_paths"] = {f"{d:g}": list(_division(d)) for d in (1.0, 2.0, 4.0, 8.0, 0.5, 3.0, 6.0)}
     a, b = torch.randn(rows, m), torch.randn(rows, n)
     strided = torch.zeros(4, n, m).transpose(1, 2)  # [4, m, n] of other strides
     grouped_weight_grad(a, b, offs, strided, accumulate=True, config=small)
@@ -178,7 +181,7 @@ def test_kernel_rounds_as_the_unfused_steps(found):
     gradient is zeros (fresh) or what was there (adding)."""
     kernel = found["kernel"]
     for key, got in kernel.items():
-        if key == "strided_rel" or key.endswith("_divided_bits"):
+        if key in ("strided_rel", "division_paths") or key.endswith("_divided_bits"):
             continue
         assert got["rel"] <= (1e-6 if key.startswith("float32") else 1e-3), (key, got)
         assert got["empty_group"], (key, got)
@@ -187,9 +190,13 @@ def test_kernel_rounds_as_the_unfused_steps(found):
 
 def test_a_power_of_two_divisor_gives_the_bits_of_division(found):
     """Dividing by 2 or 4 (the kernel multiplies by the exact reciprocal) and by 3 (IEEE division in the kernel): the
-    same bits as torch dividing the undivided gradient in fp32 and rounding it, in fp32 and fp16."""
+    same bits as torch dividing the undivided gradient in fp32 and rounding it, in fp32 and fp16; powers of two (0.5
+    to 8) take the multiply, 3 and 6 the division, 1 neither."""
     for dtype in ("float32", "float16"):
         assert found["kernel"][f"{dtype}_divided_bits"] == {"2": True, "4": True, "3": True}, found["kernel"]
+    # which path each divisor takes: none for 1, the reciprocal's multiply for powers of two, IEEE division otherwise
+    assert found["kernel"]["division_paths"] == {"1": [1.0, 0], "2": [0.5, 1], "4": [0.25, 1], "8": [0.125, 1], "0.5": [2.0, 1],
+                                                 "3": [3.0, 2], "6": [6.0, 2]}, found["kernel"]["division_paths"]
 
 
 def test_gradient_added_in_place_equals_autograds(found):

@@ -51,7 +51,7 @@ def _weight_grad_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, M, N, stride_at, stride
         b = tl.load(b_ptr + rt[:, None] * stride_bt + rn[None, :] * stride_bn, mask=t_in[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
     grad = acc.to(COMPUTE_DTYPE).to(tl.float32)  # the GEMM's output
-    if DIVIDE == 1:  # a power of two: times its reciprocal, exact
+    if DIVIDE == 1:  # a power of two: ``divisor`` holds its reciprocal here (``_division``), exact
         grad = grad * divisor
     elif DIVIDE == 2:
         grad = tl.math.div_rn(grad, divisor)
