@@ -1,5 +1,5 @@
 """``ep_capacity_factor`` -1 (auto, train/auto_exchange.py): the static exchange with whole micro-steps as CUDA graphs
-where that ran (ep 2 = world size on one GPU node), the exact exchange elsewhere with the reason; a factor given is
+where that ran (ep 2 and 4 = world size on one GPU node), the exact exchange elsewhere with the reason; a factor given is
 kept; ``drop_static_exchange`` puts every layer back on the exact exchange."""
 
 import pytest
@@ -19,9 +19,15 @@ def test_auto_takes_the_measured_factor_at_ep_2_on_one_node():
     assert resolve_capacity_factor(AUTO, **{**EP2, "cuda_graphs": "true", "fsdp_wrap": "none"})[0] == 2.0
 
 
+def test_auto_takes_3_at_ep_4_on_one_node():
+    factor, note = resolve_capacity_factor(AUTO, **{**EP2, "world_size": 4, "ep_size": 4, "local_world_size": 4})
+    assert factor == AUTO_FACTORS[4] == 3.0 and "ep_capacity_factor auto: 3 (ep 4 = world size on one node" in note
+
+
 @pytest.mark.parametrize("change, why", [
     ({"world_size": 4}, "ep = world size"),
-    ({"world_size": 4, "ep_size": 4, "local_world_size": 4}, "ep 4: measured at ep 2 only"),
+    ({"world_size": 8, "ep_size": 8, "local_world_size": 8}, "ep 8: measured at ep 2, 4 only"),
+    ({"world_size": 8, "ep_size": 4, "local_world_size": 8}, "ep = world size"),
     ({"local_world_size": 1}, "spans nodes"),
     ({"moe_backend": "megablocks"}, "megablocks"),
     ({"expert_bias": True}, "bias"),

@@ -3,7 +3,8 @@ default, and the factor it takes there (``resolve_capacity_factor``).
 
 Why: at ep = world size on one node, the static exchange read from the peers' GPU memory (moe/pull_exchange.py) lets
 each micro-step be one CUDA graph, and that ran 13% faster than the same with the nineteenth session's row pull and 30%
-faster than the default segments' graphs at ep 2 on 2 x H200 (BENCHMARKS.md, "Several GPUs"). A fast path is the
+faster than the default segments' graphs at ep 2 on 2 x H200, and 23-29% faster than the segments at ep 4 on 4 x H200
+(BENCHMARKS.md, "Several GPUs"). A fast path is the
 default only where it ran: ``AUTO_FACTORS`` holds the ep sizes measured in training, each with a factor that never
 reran there. Everything the graphs need must hold too (``cuda_graph.graph_blocker``), and the dense weights must fit
 whole on every rank (the script turns the factor off where ``fsdp_wrap`` auto cannot take "none", and where the
@@ -14,7 +15,10 @@ from megablocks_utils.train.cuda_graph import graph_blocker
 
 AUTO = -1.0
 # ep -> factor. At ep 2 a rank can never receive more than 2 x the mean rows (both ranks' rows), so 2 never overflows.
-AUTO_FACTORS = {2: 2.0}
+# At ep 4, 3: the random checkpoint's busiest rank took 2.45 x the mean in its worst layer and no micro-step reran (4 x
+# H200, 23rd session: 0.415 s a step against 0.536 for the segments, 80% of one GPU); a micro-step that overflows reruns
+# on the exact exchange, so the factor moves speed and memory, never the result.
+AUTO_FACTORS = {2: 2.0, 4: 3.0}
 
 
 def auto_blocker(*, device_type: str, world_size: int, ep_size: int, local_world_size: int, moe_backend: str,

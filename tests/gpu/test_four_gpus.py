@@ -58,7 +58,8 @@ def test_fsdp1_equals_fsdp2_at_ep4(tiny_model_dir, tmp_path):
 def test_the_token_pull_at_ep4_trains_as_the_exact_exchange(tiny_model_dir, tmp_path):
     """Ep 4 (one expert a rank, three peers to read from) on the static exchange read from the peers' memory
     (moe/pull_exchange.py), each micro-step a CUDA graph: at factor 4 (a rank never receives more than every rank's rows:
-    no rerun) and 0.1 (capacity 128 rows: every micro-step overflows, every step reruns eagerly on the exact exchange),
+    no rerun), 0.1 (capacity 128 rows: every micro-step overflows, every step reruns eagerly on the exact exchange) and
+    the defaults (auto: 3, reruns allowed),
     against the exact exchange launched from Python, bf16 loss within test_train_parity's 2e-3; in fp32 (no graphs, the
     per-expert loop on the valid rows) at 1.25 within 1e-5."""
     bf16 = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--optim",
@@ -66,6 +67,7 @@ def test_the_token_pull_at_ep4_trains_as_the_exact_exchange(tiny_model_dir, tmp_
     runs = {"graphs": (*bf16, "--ep_capacity_factor", "4", "--cuda_graphs", "true"),
             "overflow": (*bf16, "--ep_capacity_factor", "0.1", "--cuda_graphs", "true"),
             "exact": (*bf16, "--ep_capacity_factor", "0", "--cuda_graphs", "false"),
+            "defaults": bf16[:-2],  # ep_capacity_factor auto: 3 at ep 4, whole micro-steps as graphs, fsdp_wrap auto: none
             "fp32_static": (*COMMON, "--dtype", "fp32", "--ep_size", "4", "--ep_capacity_factor", "1.25"),
             "fp32_exact": (*COMMON, "--dtype", "fp32", "--ep_size", "4", "--ep_capacity_factor", "0")}
     out = {name: str(tmp_path / name) for name in runs}
@@ -75,7 +77,9 @@ def test_the_token_pull_at_ep4_trains_as_the_exact_exchange(tiny_model_dir, tmp_
     assert "cuda_graphs true: each micro-step replayed" in logs["graphs"] and "captured the first micro-step" in logs["graphs"]
     assert [r["exchange_reruns"] for r in found["graphs"]] == [0] * 8
     assert [r["exchange_reruns"] for r in found["overflow"]] == [2] * 8  # both micro-steps of every step
-    for name in ("graphs", "overflow"):
+    assert "ep_capacity_factor auto: 3 (ep 4 = world size on one node" in logs["defaults"]
+    assert "cuda_graphs auto: each micro-step replayed" in logs["defaults"]
+    for name in ("graphs", "overflow", "defaults"):
         assert worst_relative(found[name], found["exact"], "loss") <= 2e-3, name
     assert found["graphs"][-1]["loss"] < found["graphs"][0]["loss"]
     assert_same_training(found["fp32_static"], found["fp32_exact"])
