@@ -105,14 +105,13 @@ from megablocks_utils.train.cuda_graph import (  # noqa: E402
     resolve_cuda_graphs,
     zero_grads,
 )
-from megablocks_utils.train.auto_exchange import AUTO, resolve_capacity_factor  # noqa: E402
+from megablocks_utils.train.auto_exchange import AUTO, resolve_capacity_factor, resolve_wrap_and_factor  # noqa: E402
 from megablocks_utils.train.optim import param_dtype  # noqa: E402
 from megablocks_utils.train.segment_graphs import SegmentGraphs, resolve_segment_graphs, segment_blocker  # noqa: E402
 from megablocks_utils.train.memory_plan import (  # noqa: E402
     check_checkpointed_layers,
     check_fit,
     estimate_memory,
-    resolve_fsdp_wrap,
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -286,10 +285,11 @@ plan_for = functools.partial(
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
     chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts, ep_capacity_factor=ep_capacity_factor)
 # FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
-fsdp_wrap = resolve_fsdp_wrap(fsdp_wrap, lambda wrap: plan_for(fsdp_wrap=wrap), gpu_bytes, world_size, ep,
-                              replicated=segments_planned or (factor_auto and ep_capacity_factor > 0))
-if factor_auto and ep_capacity_factor > 0 and fsdp_wrap != "none":  # the graphs need the dense weights whole on each rank
-    ep_capacity_factor, factor_note = 0.0, f"ep_capacity_factor auto: 0, the exact exchange (fsdp_wrap {fsdp_wrap}: the dense weights do not fit whole on every rank)"
+# (auto's factor needs them whole on every rank: where that does not fit it is dropped and the units chosen without it)
+fsdp_wrap, ep_capacity_factor, wrap_note = resolve_wrap_and_factor(
+    fsdp_wrap, plan_for, gpu_bytes, world_size, ep, factor=ep_capacity_factor, factor_auto=factor_auto,
+    segments_planned=segments_planned)
+factor_note = wrap_note or factor_note
 plan = plan_for(fsdp_wrap=fsdp_wrap, ep_capacity_factor=ep_capacity_factor)
 check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the

@@ -2,10 +2,12 @@
 where that ran (ep 2 and 4 = world size on one GPU node), the exact exchange elsewhere with the reason; a factor given is
 kept; ``drop_static_exchange`` puts every layer back on the exact exchange."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from megablocks_utils.train.auto_exchange import AUTO, AUTO_FACTORS, resolve_capacity_factor
+from megablocks_utils.train.auto_exchange import AUTO, AUTO_FACTORS, resolve_capacity_factor, resolve_wrap_and_factor
 
 # An ep 2 run on one node of 2 GPUs, full fine-tuning at the defaults auto is measured with.
 EP2 = dict(device_type="cuda", world_size=2, ep_size=2, local_world_size=2, moe_backend="native", expert_bias=False, lora=False,
@@ -70,3 +72,38 @@ def test_dropping_the_static_exchange_puts_every_layer_back_on_the_exact_one():
         block.experts.exchange_mode = mode
     drop_static_exchange(model)
     assert exchange_mode(model) is None and all(block.experts.exchange_mode is None for block in model)
+
+
+def estimates(totals_gib: dict):
+    """A fit check's ``plan_for`` that answers each (fsdp_wrap, factor) with the given total, GiB."""
+    return lambda *, fsdp_wrap, ep_capacity_factor: SimpleNamespace(total=totals_gib[fsdp_wrap, ep_capacity_factor] * 2**30)
+
+
+# Full Qwen3-30B-A3B at ep 4 on 4 x H200 (the fit check's own estimates, GiB): with auto's factor 3 neither whole weights
+# nor FSDP's whole-model unit fit within 90% of 139.8 GiB; without it both do.
+QWEN3_EP4 = {("none", 3.0): 131.1, ("model", 3.0): 131.4, ("layer", 3.0): 128.0,
+             ("none", 0.0): 106.9, ("model", 0.0): 107.2, ("layer", 0.0): 104.0}
+H200 = 139.8 * 2**30
+
+
+def test_auto_factor_that_does_not_fit_leaves_the_units_of_a_run_without_it():
+    """The 23rd session's full Qwen3 at ep 4: the factor dropped, and the dense weights whole on every rank (the
+    segments' graphs), as without the factor, not FSDP's per-layer units."""
+    wrap, factor, note = resolve_wrap_and_factor("auto", estimates(QWEN3_EP4), H200, 4, 4, factor=3.0, factor_auto=True,
+                                                 segments_planned=True)
+    assert (wrap, factor) == ("none", 0.0)
+    assert note.startswith("ep_capacity_factor auto: 0, the exact exchange") and "fsdp_wrap auto: none" in note
+    # no segments planned: the whole-model unit, as auto picks without the factor
+    assert resolve_wrap_and_factor("auto", estimates(QWEN3_EP4), H200, 4, 4, factor=3.0, factor_auto=True,
+                                   segments_planned=False)[:2] == ("model", 0.0)
+
+
+def test_auto_factor_that_fits_keeps_whole_weights_and_a_given_factor_is_kept():
+    fits = {**QWEN3_EP4, ("none", 3.0): 100.0}
+    assert resolve_wrap_and_factor("auto", estimates(fits), H200, 4, 4, factor=3.0, factor_auto=True,
+                                   segments_planned=False) == ("none", 3.0, "")
+    # a factor the user gave stays whatever the units (the fit check judges it after)
+    assert resolve_wrap_and_factor("auto", estimates(QWEN3_EP4), H200, 4, 4, factor=3.0, factor_auto=False,
+                                   segments_planned=False) == ("layer", 3.0, "")
+    assert resolve_wrap_and_factor("none", estimates(QWEN3_EP4), H200, 4, 4, factor=3.0, factor_auto=True,
+                                   segments_planned=False) == ("none", 3.0, "")

@@ -11,7 +11,10 @@ whole on every rank (the script turns the factor off where ``fsdp_wrap`` auto ca
 graphs turn out blocked after loading: the static exchange without graphs was not measured faster).
 """
 
+from collections.abc import Callable
+
 from megablocks_utils.train.cuda_graph import graph_blocker
+from megablocks_utils.train.memory_plan import MemoryEstimate, resolve_fsdp_wrap
 
 AUTO = -1.0
 # ep -> factor. At ep 2 a rank can never receive more than 2 x the mean rows (both ranks' rows), so 2 never overflows.
@@ -62,3 +65,24 @@ def resolve_capacity_factor(setting: float, **conditions) -> tuple[float, str]:
     factor = AUTO_FACTORS[conditions["ep_size"]]
     return factor, (f"ep_capacity_factor auto: {factor:g} (ep {conditions['ep_size']} = world size on one node: the static "
                     "exchange read from the peers' memory, each micro-step one CUDA graph)")
+
+
+def resolve_wrap_and_factor(fsdp_wrap: str, plan_for: Callable[..., MemoryEstimate], gpu_memory_bytes: float,
+                            world_size: int, ep: int, *, factor: float, factor_auto: bool,
+                            segments_planned: bool) -> tuple[str, float, str]:
+    """(fsdp_wrap's units, the capacity factor, the line the script prints or ""), from the fit check's estimates
+    (``plan_for(fsdp_wrap=..., ep_capacity_factor=...)``).
+
+    Auto's factor goes with the dense weights whole on every rank (its micro-steps are CUDA graphs). Where its plan does
+    not fit (the static exchange's buffers hold ``factor`` x the mean rows: full Qwen3-30B-A3B at ep 4 and factor 3
+    estimated 131 GiB, over 90% of an H200), the factor is dropped and the units chosen again as if it had never been
+    taken, so the run keeps what it had without it (there: the segments' graphs, no FSDP), not FSDP's per-layer units."""
+    auto_on = factor_auto and factor > 0
+    wrap = resolve_fsdp_wrap(fsdp_wrap, lambda w: plan_for(fsdp_wrap=w, ep_capacity_factor=factor), gpu_memory_bytes,
+                             world_size, ep, replicated=segments_planned or auto_on)
+    if not auto_on or wrap == "none":
+        return wrap, factor, ""
+    wrap = resolve_fsdp_wrap(fsdp_wrap, lambda w: plan_for(fsdp_wrap=w, ep_capacity_factor=0.0), gpu_memory_bytes,
+                             world_size, ep, replicated=segments_planned)
+    return wrap, 0.0, (f"ep_capacity_factor auto: 0, the exact exchange (with its buffers the dense weights do not fit "
+                       f"whole on every rank within 90% of the GPU; fsdp_wrap auto: {wrap})")
