@@ -3,8 +3,8 @@ default, and the factor it takes there (``resolve_capacity_factor``).
 
 Why: at ep = world size on one node, the static exchange read from the peers' GPU memory (moe/pull_exchange.py) lets
 each micro-step be one CUDA graph, and that ran 13% faster than the same with the nineteenth session's row pull and 30%
-faster than the default segments' graphs at ep 2 on 2 x H200, and 23-29% faster than the segments at ep 4 on 4 x H200
-(BENCHMARKS.md, "Several GPUs"). A fast path is the
+faster than the default segments' graphs at ep 2 on 2 x H200; at ep 4 on 4 x H200 its steps were 23% (synthetic rows) and
+16% (chat records) shorter than the segments' (BENCHMARKS.md, "Several GPUs"). A fast path is the
 default only where it ran: ``AUTO_FACTORS`` holds the ep sizes measured in training, each with a factor that never
 reran there. Everything the graphs need must hold too (``cuda_graph.graph_blocker``), and the dense weights must fit
 whole on every rank (the script turns the factor off where ``fsdp_wrap`` auto cannot take "none", and where the
