@@ -7,8 +7,8 @@ faster than the default segments' graphs at ep 2 on 2 x H200; at ep 4 on 4 x H20
 16% (chat records) shorter than the segments' (BENCHMARKS.md, "Several GPUs"). A fast path is the
 default only where it ran: ``AUTO_FACTORS`` holds the ep sizes measured in training, each with a factor that never
 reran there. Everything the graphs need must hold too (``cuda_graph.graph_blocker``), and the dense weights must fit
-whole on every rank (the script turns the factor off where ``fsdp_wrap`` auto cannot take "none", and where the
-graphs turn out blocked after loading: the static exchange without graphs was not measured faster).
+whole on every rank (``resolve_wrap_and_factor`` drops the factor where that plan does not fit, and the script drops it
+where the graphs turn out blocked after loading: the static exchange without graphs was not measured faster).
 """
 
 from collections.abc import Callable

@@ -67,7 +67,8 @@ def test_the_token_pull_at_ep4_trains_as_the_exact_exchange(tiny_model_dir, tmp_
     runs = {"graphs": (*bf16, "--ep_capacity_factor", "4", "--cuda_graphs", "true"),
             "overflow": (*bf16, "--ep_capacity_factor", "0.1", "--cuda_graphs", "true"),
             "exact": (*bf16, "--ep_capacity_factor", "0", "--cuda_graphs", "false"),
-            "defaults": bf16[:-2],  # ep_capacity_factor auto: 3 at ep 4, whole micro-steps as graphs, fsdp_wrap auto: none
+            # the exchange's defaults: ep_capacity_factor auto (3 at ep 4, micro-steps as graphs), fsdp_wrap auto (none)
+            "defaults": bf16[:-2],
             "fp32_static": (*COMMON, "--dtype", "fp32", "--ep_size", "4", "--ep_capacity_factor", "1.25"),
             "fp32_exact": (*COMMON, "--dtype", "fp32", "--ep_size", "4", "--ep_capacity_factor", "0")}
     out = {name: str(tmp_path / name) for name in runs}
