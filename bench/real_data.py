@@ -200,6 +200,10 @@ def placed_model(run: str, args, work: str) -> str:
     return placed
 
 
+# The lines train_fsdp2.py prints about what it chose for ep_capacity_factor and cuda_graphs (not their later progress).
+CHOICE = re.compile(r"^(ep_capacity_factor auto|cuda_graphs (auto|true|segments)):")
+
+
 def ours(run: str, args, work: str) -> dict:
     """train_fsdp2.py at its defaults (--optim adamw_bf16, the bench batch), stopped once every step is logged."""
     steps = args.warmup + (args.chat_steps if "chat" in run else args.steps)
@@ -276,6 +280,8 @@ def ours(run: str, args, work: str) -> dict:
     chosen = [line for _, line in log_lines if "attention " in line and "world " in line]
     if chosen:
         record["launch"] = chosen[0][:400]
+    # what the script chose where a setting left it the choice (the exchange's factor, the graphs), in its own words
+    record["chose"] = [line.strip()[:240] for _, line in log_lines if CHOICE.match(line)]
     if done < steps:
         # the rank's own exception first (torchrun's summary that ends the output names only the exit code)
         raised = [line for _, line in log_lines if re.search(r"\w+(Error|Exception)\b|(^|\s)error:|CUDA error", line)

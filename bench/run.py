@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -472,12 +473,17 @@ def ep_scaling_table(records: list[dict]) -> str:
 def ep_scaling_notes(records: list[dict]) -> list[str]:
     """What else ours' records say, a line per run that has any of it: the busiest ep rank's rows over the mean at
     its GPU count (real_data.py's rank_loads) and with the experts placed on the ranks by load (placed_loads), the
-    micro-steps rerun on the exact exchange (the *_static runs), the host's CPU (it paces the step at ep > 1)."""
+    micro-steps rerun on the exact exchange (the *_static runs), the host's CPU (it paces the step at ep > 1), and at
+    ep > 1 what the run chose (FSDP's units, the exchange's factor, the graphs): the row's mode, not only its flags."""
     notes = []
     for r in records:
         if r.get("status") != "ok" or "tokens_per_s" not in r:
             continue
         n, facts = r["gpus_used"], []
+        if n > 1:
+            units = re.search(r"FSDP units: ([^;)]+)", r.get("launch", ""))
+            chose = [line.split(" (")[0].replace(" after the warm-up steps", "") for line in r.get("chose", [])]
+            facts += ([f"FSDP units: {units.group(1)}"] if units else []) + chose
         load = r.get("busiest_rank_over_mean", {}).get(str(n))
         if load:
             facts.append(f"busiest rank / mean {load[0]:.2f} (largest layer {load[1]:.2f})")

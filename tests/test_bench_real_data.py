@@ -36,6 +36,7 @@ def test_both_sides_train_the_shrunk_shape_with_the_same_balanced_routing(shape,
     assert hf["experts_implementation"] == "grouped_mm"
     assert hf["attention"] == ("sdpa" if shape == "deepseek_v2_lite" else "eager")  # gpt-oss's sinks: eager on CPU
     assert "attention auto" in ours["launch"]
+    assert ours["chose"] == ["cuda_graphs auto: off (CUDA graphs need a GPU)"]  # the script's own note of its choice
 
 
 def test_rank_loads_sum_each_ranks_block_of_experts():

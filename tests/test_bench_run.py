@@ -165,3 +165,24 @@ def test_ep_scaling_table_compares_a_static_run_with_its_exact_runs_one_gpu_and_
     assert lines[-2] == "ours_synthetic on 1 GPU: host AMD EPYC, 64 cores"  # one GPU: no ep rank to name
     assert lines[-1] == ("ours_synthetic_static on 2 GPUs: busiest rank / mean 1.05 (largest layer 1.25); experts placed by "
                          "load 1.01 (1.04); 3 micro-steps rerun exactly")
+
+
+def test_ep_scaling_notes_say_what_each_ep_run_chose():
+    """At ep > 1 a run's line names FSDP's units and what auto chose (from the launch line and the script's own notes):
+    the 23rd session's full Qwen3 row fell to FSDP's per-layer units and the exact exchange without its table saying so."""
+    from run import ep_scaling_notes
+
+    record = {"status": "ok", "gpus_used": 4, "run": "ours_synthetic", "tokens_per_s": 96000.0, "median_step_s": 2.7,
+              "launch": "world 4 = dp 1 x ep 4 (experts sharded over dp, dp_replicate 1; FSDP units: each layer); optim adamw_bf16",
+              "chose": ["ep_capacity_factor auto: 0, the exact exchange (with its buffers the dense weights do not fit whole on "
+                        "every rank within 90% of the GPU; fsdp_wrap auto: layer)",
+                        "cuda_graphs auto: off (FSDP shards the dense weights)"]}
+    graphs = dict(record, run="ours_chat", launch=record["launch"].replace("each layer", "none, dense weights whole on every rank"),
+                  chose=["ep_capacity_factor auto: 3 (ep 4 = world size on one node: the static exchange read from the peers' "
+                         "memory, each micro-step one CUDA graph)",
+                         "cuda_graphs auto: each micro-step replayed from a CUDA graph after the warm-up steps"])
+    one_gpu = dict(record, gpus_used=1, run="ours_alpaca")
+    assert ep_scaling_notes([record, graphs, one_gpu]) == [
+        "ours_synthetic on 4 GPUs: FSDP units: each layer; ep_capacity_factor auto: 0, the exact exchange; cuda_graphs auto: off",
+        "ours_chat on 4 GPUs: FSDP units: none, dense weights whole on every rank; ep_capacity_factor auto: 3; "
+        "cuda_graphs auto: each micro-step replayed from a CUDA graph"]
