@@ -98,7 +98,9 @@ class Session:
             self.say(f"{name}: skipped, {self.left():.0f} s left of the {self.args.budget_s:.0f} s budget")
             self.keep({**tag, "status": "skipped", "error": f"{self.left():.0f} s left of the {self.args.budget_s:.0f} s budget"})
             return []
-        self.say(f"{name} (timeout {timeout:.0f} s): {shown}")
+        # A command the budget gives less than its own limit may be cut short: say so now, and in its record if it is.
+        cut = f"the {self.args.budget_s:.0f} s budget gave it {timeout:.0f} of its {limit:.0f} s" if timeout < limit else ""
+        self.say(f"{name} (timeout {timeout:.0f} s{'; ' + cut if cut else ''}): {shown}")
         os.makedirs(self.logs, exist_ok=True)
         log_path = os.path.join(self.logs, f"{name}.log")
         if os.path.exists(self.part):
@@ -117,8 +119,10 @@ class Session:
             tail = f.read().splitlines()[-40:]
         if not found:
             errors = [line for line in tail if "Error" in line or line.startswith("error")]
-            found = [{"status": "timeout" if code == "timeout" else "error",
-                      "error": (errors[-1] if errors else f"exit {code}").strip()[:400], "log": log_path}]
+            reason = (errors[-1] if errors else f"exit {code}").strip()[:400]
+            if code == "timeout" and cut:
+                reason = f"cut after {timeout:.0f} s: {cut} (give --budget_s more)"
+            found = [{"status": "timeout" if code == "timeout" else "error", "error": reason, "log": log_path}]
             print("\n".join(tail[-12:]), flush=True)
         kept = []
         for record in found:

@@ -58,6 +58,31 @@ def test_a_launch_that_no_longer_fits_the_budget_is_skipped(tmp_path):
     assert late["status"] == "skipped" and "of the 30 s budget" in late["error"]
 
 
+def test_a_launch_the_budget_cuts_short_says_so(tmp_path, capsys, monkeypatch):
+    """A budget that leaves a command less than its own limit: the launch line says so, and the timeout's record names
+    the budget, not the command (the 24th session's one-GPU side died this way and read as "exit timeout")."""
+    class Stuck:  # a launch still running when its timeout comes (no minute of waiting in the test)
+        pid = -1
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait(self, timeout=None):
+            if timeout is not None:
+                raise run.subprocess.TimeoutExpired("cmd", timeout)
+            return -9
+
+    monkeypatch.setattr(run.subprocess, "Popen", Stuck)
+    monkeypatch.setattr(run.os, "killpg", lambda pid, sig: None)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    s = session(tmp_path, budget_s=72)
+    s.run("cut", [sys.executable, "-c", "pass"], 300)
+    (cut,) = records(tmp_path)
+    assert cut["status"] == "timeout"
+    assert cut["error"].startswith("cut after 6") and "the 72 s budget gave it 6" in cut["error"] and "of its 300 s" in cut["error"]
+    assert "of its 300 s" in capsys.readouterr().out
+
+
 def test_real_data_repeats_alternate_the_two_sides_and_run_transformers_once(capsys, tmp_path):
     """--repeats 2 with --base: ours, base, ours, base; transformers' runs only in the first launch of each side."""
     run.main(["real_data", "--runs", "ours_synthetic,hf_synthetic", "--base", "/elsewhere", "--repeats", "2", "--dry_run",
