@@ -1,6 +1,7 @@
 """Where a training step's GPU time goes, by part of the model, in steady state (after warm-up and compiles).
 
     python bench/profile_steps.py --shape qwen3_30b_a3b --layers 12 [--data synthetic|chat] [--wait 6 --active 3] [--ep N]
+    python bench/profile_steps.py --compare ep1.jsonl ep4.jsonl   # earlier runs' kernels side by side, by part
 
 Writes the random-weight checkpoint of ``--shape`` (bench/real_data.py's), then runs train_fsdp2.py at its
 defaults on one GPU (``--ep N``: on N GPUs at ep_size N, each rank its own rows, as bench/real_data.py --ep) under
@@ -67,6 +68,51 @@ def part_of(name: str, ancestors: list[str]) -> str:
     if in_chunked_loss:
         return LOSS
     return "other elementwise (" + name.removeprefix("aten::")[:40] + ")"
+
+# Kernels by name -> the parts an ep step adds to or takes from one GPU's (``--compare``); the first match wins, in this
+# order, and the rest is "attention, dense GEMMs, loss, the rest". The cutlass kernel is torch's grouped GEMM (the dense
+# GEMMs run as nvjet kernels), so it counts as the experts'.
+KERNEL_GROUPS = [
+    ("barriers (waits for each layer's slowest rank)", r"barrier_kernel"),
+    ("moving rows (the pull's expand, pair and rank sums; one GPU: its gathers and combines)",
+     r"_expand_(forward|backward)_kernel|_sum_(ranks|slots)_kernel|_pull_rows_kernel|_combine(_backward)?_kernel|"
+     r"_gather_sum_kernel|vectorized_gather_kernel"),
+    ("NCCL collectives (the dense gradients' all-reduce)", r"^nccl"),
+    ("SwiGLU forward + backward", r"_silu_mul_backward_kernel|fused_mul_silu"),
+    ("the experts' grouped GEMMs", r"cutlass"),
+    ("the experts' weight gradients", r"_weight_grad_kernel"),
+    ("optimizer", r"adamw|multi_tensor_apply"),
+]
+REST = "attention, dense GEMMs, loss, the rest"
+
+
+def kernel_groups(records: list[dict]) -> dict[str, float]:
+    """GPU seconds a step per ``KERNEL_GROUPS`` part, the mean over ``records`` (one a rank), with "all kernels" and
+    "wall" (the profiled steps' mean wall time)."""
+    groups = {name: 0.0 for name, _ in KERNEL_GROUPS} | {REST: 0.0}
+    for record in records:
+        for kernel, (seconds, _launches) in record["kernels_s_per_step_and_count"].items():
+            part = next((name for name, pattern in KERNEL_GROUPS if re.search(pattern, kernel)), REST)
+            groups[part] += seconds / len(records)
+    groups["all kernels"] = sum(groups.values())
+    groups["wall"] = sum(sum(r["wall_s_per_step"]) / len(r["wall_s_per_step"]) for r in records) / len(records)
+    return groups
+
+
+def compare(paths: list[str]) -> str:
+    """The ``--compare`` table: one column a file of records (bench/profile_steps.py's, one a rank), ms a step."""
+    columns = []
+    for path in paths:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        first = records[0]
+        label = f"ep {first['ep']}, {first['routing']} routing, {first['data']}" if first["ep"] > 1 else f"1 GPU, {first['data']}"
+        columns.append((label, kernel_groups(records)))
+    lines = ["| part (GPU ms a step, mean of the ranks) | " + " | ".join(label for label, _ in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for part in columns[0][1]:
+        lines.append(f"| {part} | " + " | ".join(f"{groups[part] * 1e3:.1f}" for _, groups in columns) + " |")
+    return "\n".join(lines)
 
 
 def inner(args, script_args: list[str]) -> None:
@@ -366,7 +412,12 @@ def main() -> None:
                         "segments profiles today's default there)")
     p.add_argument("--ep", type=int, default=1, help="GPUs, ep_size = N (each rank profiles itself; one record per rank)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compare", nargs="+", default=[], metavar="RECORDS",
+                   help="no run: the kernels of earlier runs' records (files of --out, e.g. --ep 1 then --ep 4) side by side, "
+                        "by part (KERNEL_GROUPS)")
     args, script_args = p.parse_known_args()
+    if args.compare:
+        return print(compare(args.compare))
     if args.inner:  # this parser took --cuda_graphs: hand it on to train_fsdp2.py
         return (phases if args.phases else inner)(args, [*script_args, "--cuda_graphs", args.cuda_graphs])
     from routing_skew import parse_routing
