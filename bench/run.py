@@ -404,7 +404,8 @@ def real_data(s: Session) -> str:
 def ep_scaling(s: Session) -> str:
     """Tokens/s per GPU at each GPU count with ep = the count: ours on synthetic rows and chat records at defaults
     (bench/real_data.py --ep N) and transformers' FSDP2 + EP on the same checkpoint and batch (bench/bench_peer_hf.py on N
-    GPUs, 1 x 4096 x 4 per GPU, bf16: random token ids, and ours' packed chat rows with --data; on one GPU its own model on
+    GPUs, 1 x 4096 x 4 per GPU, bf16, with --data: ours' synthetic rows, which real_data.py writes in ``work``, and ours'
+    packed chat rows; until the 24th session its synthetic side ran on random token ids; on one GPU its own model on
     ours' rows, real_data.py's hf_synthetic and hf_sdpa), in one call: per GPU against ours on one GPU (issue #40's 85%
     target) and ours against transformers on the same kind of rows at each count (its 2x target)."""
     from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ
@@ -412,12 +413,14 @@ def ep_scaling(s: Session) -> str:
     a = s.args
     checkpoint = f"/tmp/{a.shape}-L{a.layers}{'-shrunk' if a.shrink else ''}"  # real_data.py writes it on its first run
     seq = 256 if a.shrink else SEQ  # shrunk: 256 keeps all but 3 chat records (at 64, one)
+    work = f"/tmp/ep_scaling_{a.shape}-L{a.layers}"  # real_data.py's --work: the synthetic rows it writes, the peer's too
+    synthetic = any("synthetic" in run for run in a.runs.split(","))
     for n in (int(c) for c in a.counts.split(",")):
         # One GPU: transformers' own model (no FSDP, no EP) on ours' synthetic and chat rows, in real_data.py's own launch
         runs = a.runs + (",hf_synthetic,hf_sdpa" if n == 1 and not a.no_peer else "")
         command = [PY, os.path.join("bench", "real_data.py"), "--shape", a.shape, "--layers", str(a.layers), "--dir", checkpoint,
                    "--runs", runs, "--warmup", str(a.warmup), "--steps", str(a.steps), "--chat_steps", str(a.chat_steps),
-                   "--run_timeout", str(a.run_timeout), "--out", s.part, "--ep", str(n), "--seq", str(seq),
+                   "--run_timeout", str(a.run_timeout), "--out", s.part, "--work", work, "--ep", str(n), "--seq", str(seq),
                    "--routing", a.routing, *(["--shrink"] if a.shrink else []),
                    *(["--static_factor", a.static_factor] if a.static_factor else []),
                    *(["--placed_by", a.placed_by] if a.placed_by else [])]
@@ -425,8 +428,10 @@ def ep_scaling(s: Session) -> str:
         if n > 1 and not a.no_peer and a.routing == "own":
             flags = ["--seq", str(seq), "--micro_batch", str(MICRO_BATCH), "--grad_accum", str(GRAD_ACCUM), "--warmup", str(a.warmup),
                      "--precision", "bf16"]
-            s.run(f"transformers_{n}gpu", peer(s, checkpoint, *flags, "--steps", str(a.steps), nproc=n), a.run_timeout,
-                  gpus_used=n, run="transformers")
+            if synthetic:  # on the rows ours' synthetic runs trained on (written by its launch above)
+                rows = ["--data", os.path.join(work, "synthetic.json"), "--steps", str(a.steps)]
+                s.run(f"transformers_{n}gpu", peer(s, checkpoint, *flags, *rows, nproc=n), a.run_timeout, gpus_used=n,
+                      run="transformers")
             chat = ["--data", os.path.join(ROOT, "data_chat.jsonl"), "--steps", str(a.chat_steps)]
             s.run(f"transformers_chat_{n}gpu", peer(s, checkpoint, *flags, *chat, nproc=n), a.run_timeout, gpus_used=n,
                   run="transformers_chat")

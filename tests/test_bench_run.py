@@ -146,8 +146,8 @@ def test_ep_scaling_table_compares_ours_chat_with_transformers_on_the_same_chat_
 
 
 def test_ep_scaling_runs_the_peer_on_ours_chat_rows_and_checkpoint(capsys, tmp_path):
-    """At 2 GPUs a second peer launch trains on data_chat.jsonl for --chat_steps; at 1 GPU real_data.py adds hf_sdpa; every
-    launch reads the one checkpoint (--shrink's too)."""
+    """At 2 GPUs the peer trains on ours' synthetic rows, then on data_chat.jsonl for --chat_steps; at 1 GPU real_data.py
+    adds hf_sdpa; every launch reads the one checkpoint (--shrink's too)."""
     run.main(["ep_scaling", "--shrink", "--chat_steps", "5", "--dry_run", "--gpus", "2", "--out", str(tmp_path / "out.jsonl")])
     launches = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if line.startswith(("ours_", "transformers_")))
     assert sorted(launches) == ["ours_1gpu", "ours_2gpu", "transformers_2gpu", "transformers_chat_2gpu"], launches
@@ -155,9 +155,19 @@ def test_ep_scaling_runs_the_peer_on_ours_chat_rows_and_checkpoint(capsys, tmp_p
     assert "--runs ours_synthetic,ours_chat " in launches["ours_2gpu"]
     chat = launches["transformers_chat_2gpu"]
     assert f"--data {os.path.join(ROOT, 'data_chat.jsonl')} --steps 5" in chat and "--nproc_per_node=2" in chat
-    assert "--data" not in launches["transformers_2gpu"]
+    # the peer's synthetic side trains on the rows ours' synthetic runs wrote in real_data.py's --work
+    work = re.search(r"--work (\S+)", launches["ours_2gpu"]).group(1)
+    assert f"--work {work} " in launches["ours_1gpu"]
+    assert f"--data {os.path.join(work, 'synthetic.json')} --steps 8" in launches["transformers_2gpu"]
     checkpoints = {re.search(r"--dir (\S+)", command).group(1) for command in launches.values()}
     assert checkpoints == {"/tmp/qwen3_30b_a3b-L12-shrunk"}, checkpoints
+
+
+def test_ep_scaling_without_a_synthetic_run_of_ours_runs_no_synthetic_peer(capsys, tmp_path):
+    run.main(["ep_scaling", "--shrink", "--counts", "2", "--runs", "ours_chat", "--dry_run", "--gpus", "2", "--out",
+              str(tmp_path / "out.jsonl")])
+    launches = [line.split(": ", 1)[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("ours_", "transformers_"))]
+    assert launches == ["ours_2gpu", "transformers_chat_2gpu"], launches
 
 
 def test_ep_scaling_routing_reaches_ours_and_leaves_the_peer_out(capsys, tmp_path):
