@@ -35,6 +35,7 @@ GPU 0 in a separate process right before the launch (so it holds no memory durin
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -51,6 +52,16 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 CONFIG_NAMES = {"train_fsdp1.py": "fsdp1_ep", "train_fsdp2.py": "fsdp2_ep_script"}
+# The lines train_fsdp2.py prints about what it chose for ep_capacity_factor and cuda_graphs (not their later progress);
+# bench/real_data.py keeps them too.
+CHOICE = re.compile(r"^(ep_capacity_factor auto|cuda_graphs (auto|true|segments)):")
+
+
+def choices(lines: list[str]) -> dict:
+    """What a launch's output says it chose: ``launch`` (its "world ..." line: the mesh, FSDP's units, the attention) and
+    ``chose`` (``CHOICE``'s lines), for its record."""
+    world = next((line.strip() for line in lines if line.startswith("world ") and "attention " in line), "")
+    return {**({"launch": world[:400]} if world else {}), "chose": [line.strip()[:240] for line in lines if CHOICE.match(line)]}
 
 
 def write_checkpoint(directory: str, layers: int, hidden: int, intermediate: int) -> None:
@@ -248,7 +259,7 @@ def run(args) -> None:
     with open(log_path) as f:
         lines = f.read().splitlines()
     for line in lines:
-        if line.startswith(("world ", "accelerate:", "summary:", "error")):
+        if line.startswith(("world ", "accelerate:", "summary:", "error")) or CHOICE.match(line):
             print("  " + line[:400], flush=True)
 
     config = AutoConfig.from_pretrained(args.dir)
@@ -263,6 +274,7 @@ def run(args) -> None:
         "date": date.today().isoformat(), "torch": found["torch"], "transformers": version("transformers"),
         "accelerate": version("accelerate"), "dense_gemm_tflops": found["dense_gemm_tflops"],
         "script": args.script, "ep_size": args.ep_size or args.gpus, "launch_wall_s": launch_s, "data": args.data or "synthetic",
+        **choices(lines),
     }
     metrics_path, summary_path = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "summary.json")
     steps = [json.loads(line) for line in open(metrics_path)] if os.path.isfile(metrics_path) else []

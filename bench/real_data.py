@@ -85,6 +85,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
+from bench_fsdp1 import CHOICE  # noqa: E402  (the script's lines about its choices)
 from gpt_oss import GPT_OSS_20B  # noqa: E402  (stdlib only at import: bench/run.py imports this file)
 
 SHAPES = {
@@ -200,8 +201,6 @@ def placed_model(run: str, args, work: str) -> str:
     return placed
 
 
-# The lines train_fsdp2.py prints about what it chose for ep_capacity_factor and cuda_graphs (not their later progress).
-CHOICE = re.compile(r"^(ep_capacity_factor auto|cuda_graphs (auto|true|segments)):")
 
 
 def ours(run: str, args, work: str) -> dict:

@@ -1,5 +1,6 @@
 """The full-size runs' CPU parts (bench/run.py full_size): the layer view, the record read from a run's metrics.jsonl
-when the launch is stopped after its last step (bench_fsdp1.py --skip_export), and the results table."""
+and its output (what the script chose) when the launch is stopped after its last step (bench_fsdp1.py --skip_export),
+and the results table."""
 
 import json
 import os
@@ -21,6 +22,9 @@ FAKE_RUN = """
 import json, os, sys, time
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
+print("world 2 = dp 1 x ep 2 (FSDP units: each layer); optim adamw_bf16; attention auto: sdpa_causal", flush=True)
+print("ep_capacity_factor auto: 0, the exact exchange (fsdp_wrap layer)", flush=True)
+print("cuda_graphs: captured the first micro-step in 1.2 s", flush=True)  # progress, not a choice
 with open(os.path.join(out, "metrics.jsonl"), "a") as f:
     for step, t in enumerate([9.0, 5.0, 2.0, 3.0, 2.5], 1):
         f.write(json.dumps({"step": step, "loss": 10.0 - step, "tokens": 2 * 4 * 128, "step_time_s": t, "tflops_per_device": 1.0,
@@ -71,6 +75,9 @@ def test_skip_export_stops_after_the_last_step_and_reads_its_metrics(tmp_path, m
     assert abs(record["mfu"] - tflops / PEAK_TFLOPS) < 1e-12
     assert record["peak_allocated_gib"] == 16.0 and "rank 0" in record["peak_memory_of"]
     assert record["expert_load_max_over_mean"] == 1.75
+    # what the script said it chose, from its output (FSDP's units, auto's factor), as real_data.py's records keep it
+    assert record["launch"].startswith("world 2 = dp 1 x ep 2 (FSDP units: each layer)")
+    assert record["chose"] == ["ep_capacity_factor auto: 0, the exact exchange (fsdp_wrap layer)"]
 
 
 def test_table_shows_ok_failed_and_skipped_runs():
