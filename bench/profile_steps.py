@@ -69,6 +69,7 @@ def part_of(name: str, ancestors: list[str]) -> str:
         return LOSS
     return "other elementwise (" + name.removeprefix("aten::")[:40] + ")"
 
+
 # Kernels by name -> the parts an ep step adds to or takes from one GPU's (``--compare``); the first match wins, in this
 # order, and the rest is "attention, dense GEMMs, loss, the rest". The cutlass kernel is torch's grouped GEMM (the dense
 # GEMMs run as nvjet kernels), so it counts as the experts'.
