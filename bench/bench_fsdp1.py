@@ -53,14 +53,14 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 CONFIG_NAMES = {"train_fsdp1.py": "fsdp1_ep", "train_fsdp2.py": "fsdp2_ep_script"}
 # The lines train_fsdp2.py prints about what it chose for ep_capacity_factor and cuda_graphs (not their later progress);
-# bench/real_data.py keeps them too.
+# ``choices`` keeps them in bench/real_data.py's records too.
 CHOICE = re.compile(r"^(ep_capacity_factor auto|cuda_graphs (auto|true|segments)):")
 
 
 def choices(lines: list[str]) -> dict:
     """What a launch's output says it chose: ``launch`` (its "world ..." line: the mesh, FSDP's units, the attention) and
     ``chose`` (``CHOICE``'s lines), for its record."""
-    world = next((line.strip() for line in lines if line.startswith("world ") and "attention " in line), "")
+    world = next((line for line in lines if "world " in line and "attention " in line), "")
     return {**({"launch": world[:400]} if world else {}), "chose": [line.strip()[:240] for line in lines if CHOICE.match(line)]}
 
 

@@ -85,7 +85,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
-from bench_fsdp1 import CHOICE  # noqa: E402  (the script's lines about its choices)
+from bench_fsdp1 import choices  # noqa: E402  (the script's lines about its choices)
 from gpt_oss import GPT_OSS_20B  # noqa: E402  (stdlib only at import: bench/run.py imports this file)
 
 SHAPES = {
@@ -275,12 +275,8 @@ def ours(run: str, args, work: str) -> dict:
     reader.join(5)
     with open(os.path.join(work, f"{run}.log"), "w") as f:
         f.write("\n".join(f"[{n}] {line}" for n, line in log_lines))
-    record = {"run": run, "steps_logged": done, "steps_asked": steps}
-    chosen = [line for _, line in log_lines if "attention " in line and "world " in line]
-    if chosen:
-        record["launch"] = chosen[0][:400]
-    # what the script chose where a setting left it the choice (the exchange's factor, the graphs), in its own words
-    record["chose"] = [line.strip()[:240] for _, line in log_lines if CHOICE.match(line)]
+    # what the script chose where a setting left it the choice (its mesh and units, the exchange's factor, the graphs)
+    record = {"run": run, "steps_logged": done, "steps_asked": steps, **choices([line for _, line in log_lines])}
     if done < steps:
         # the rank's own exception first (torchrun's summary that ends the output names only the exit code)
         raised = [line for _, line in log_lines if re.search(r"\w+(Error|Exception)\b|(^|\s)error:|CUDA error", line)
