@@ -150,6 +150,13 @@ for me in range(ep):
     ref_out, ref_w = expanded(torch.stack(x), torch.stack(weights), ref_slots, capacity)
     check[f"slots{me}"] = torch.equal(slots[:, :k].long(), ref_slots.reshape(-1, k)) and bool((slots[:, k:] == -1).all())
     check[f"expand{me}"] = torch.equal(out, ref_out) and torch.equal(w, ref_w)
+    # zero_padding False (more than one local expert): the valid rows the same, the padding left as it was
+    valid = min(int(plan.received[me]), capacity)
+    out2, w2 = torch.full((capacity, h), 7.0).to(dtype), torch.full((capacity,), 7.0)
+    kern.expand_forward(table(x), table(meta), plan.first, plan.sent_start, plan.received, out2, w2, slots, tokens, k, ep,
+                        local, me, zero_padding=False)
+    check[f"unpadded{me}"] = (torch.equal(out2[:valid], ref_out[:valid]) and torch.equal(w2[:valid], ref_w[:valid])
+                              and bool((out2[valid:] == 7).all()) and bool((w2[valid:] == 7).all()) and valid <= capacity)
     y = torch.randn(capacity, h, generator=g).to(dtype)
     s = torch.zeros(ep * tokens, h)  # the shared sums are fp32
     kern.sum_slots(y, w, slots, s)
@@ -166,6 +173,10 @@ for me in range(ep):
     torch.testing.assert_close(d_y.float(), ref_d_y.float(), rtol=1e-2, atol=1e-2)  # the interpreter's bf16 rounding
     torch.testing.assert_close(d_w, ref_d_w, rtol=1e-5, atol=1e-4)
     check[f"backward{me}"] = bool((d_y[plan.received[me]:] == 0).all())  # padding zeroed
+    d_y2, d_w2 = torch.full((capacity, h), 7.0).to(dtype), torch.full((capacity,), 7.0)
+    kern.expand_backward(table(d), slots, w, y, plan.received, d_y2, d_w2, tokens, ep, me, zero_padding=False)
+    check[f"backward_unpadded{me}"] = (torch.equal(d_y2[:valid], d_y[:valid]) and torch.equal(d_w2[:valid], d_w[:valid])
+                                       and bool((d_y2[valid:] == 7).all()) and bool((d_w2[valid:] == 7).all()))
     gw_bufs.append(torch.randn(capacity, generator=g))
 for me in range(ep):
     out = torch.empty(tokens, h).to(dtype)
@@ -182,7 +193,8 @@ print(json.dumps(check))
 
 def test_token_kernels_equal_their_torch_work_in_the_interpreter():
     result = run_in_triton_interpreter(TOKEN_KERNELS)
-    assert all(result.values()) and len(result) == 16, result
+    assert all(result.values()) and len(result) == 22, result
+    assert any(k.startswith("unpadded") for k in result)
 
 
 def run_tokens(experts, top_i, path, capacity=None, guard_trace=None):

@@ -1,7 +1,8 @@
 """The SwiGLU backward's Triton kernel (``moe/swiglu_kernel.py``, the experts' ``silu_mul`` on CUDA) on CPU, through
 Triton's interpreter (one child process): against autograd of ``silu(gate) * up`` in float64, for fp32 (1e-6) and
 bf16 (a bf16 rounding: 2^-8), relative to the largest gradient, rows and widths that end mid-tile, a gradient that is not
-contiguous; shapes that do not fit are refused. tests/gpu/test_moe_layer.py checks it on a GPU inside the layer."""
+contiguous; a bound of valid rows (the static exchange's padding past it left unwritten); shapes that do not fit are
+refused. tests/gpu/test_moe_layer.py checks it on a GPU inside the layer."""
 
 import importlib.util
 
@@ -26,6 +27,15 @@ for dtype, rows, width in ((torch.float32, 37, 200), (torch.bfloat16, 20, 128), 
     got = silu_mul_backward(gate_up, grad)
     err = (got.double() - exact.grad).abs().max() / exact.grad.abs().max()  # near-zero derivatives: no element-wise ratio
     found[f"{str(dtype)[6:]}_{rows}x{width}"] = {"rel": float(err), "dtype": str(got.dtype), "shape": list(got.shape)}
+# valid: the rows below it exactly as without it (a bound mid-tile: 16 rows a tile), the rows past it not written
+g = torch.Generator().manual_seed(5)
+gate_up, grad = 3 * torch.randn(37, 400, generator=g), torch.randn(37, 200, generator=g)
+full = silu_mul_backward(gate_up, grad)
+unset = torch.empty_like
+torch.empty_like = lambda t, **kw: torch.full_like(t, 7.0, **kw)  # the output's memory before the kernel: all 7
+bounded = silu_mul_backward(gate_up, grad, torch.tensor([20], dtype=torch.int32))
+torch.empty_like = unset
+found["valid"] = {"equal_below": bool(torch.equal(bounded[:20], full[:20])), "untouched_past": bool((bounded[20:] == 7).all())}
 try:
     silu_mul_backward(torch.zeros(4, 10), torch.zeros(4, 4))
     found["refused"] = ""
@@ -42,7 +52,7 @@ def found():
 
 def test_the_backward_equals_autograds_in_float64(found):
     for key, got in found.items():
-        if key == "refused":
+        if key in ("refused", "valid"):
             continue
         dtype, shape = key.split("_")
         rows, width = map(int, shape.split("x"))
@@ -52,3 +62,7 @@ def test_the_backward_equals_autograds_in_float64(found):
 
 def test_shapes_that_do_not_fit_are_refused(found):
     assert "do not fit" in found["refused"], found
+
+
+def test_valid_rows_bound_the_work_and_leave_the_rest_unwritten(found):
+    assert found["valid"] == {"equal_below": True, "untouched_past": True}, found

@@ -26,24 +26,26 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class _SiluMul(torch.autograd.Function):
     """``_silu_mul`` with its forward compiled (``fused``: one kernel) and its backward our Triton kernel
-    (``swiglu_kernel.py``: gate, up and the gradient read once, where the compiled backward reads two of them twice)."""
+    (``swiglu_kernel.py``: gate, up and the gradient read once, where the compiled backward reads two of them twice),
+    over the rows below ``valid`` where given."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
+    def forward(ctx, gate_up: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(gate_up, valid)
         return fused(_silu_mul)(gate_up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         from megablocks_utils.moe.swiglu_kernel import silu_mul_backward  # Triton: imported where a GPU runs it
 
-        (gate_up,) = ctx.saved_tensors
-        return silu_mul_backward(gate_up, grad)
+        gate_up, valid = ctx.saved_tensors
+        return silu_mul_backward(gate_up, grad, valid), None
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on the fused [rows, 2I] projection as one kernel each way (CUDA; ``compile_elementwise``)."""
-    return _SiluMul.apply(gate_up)
+def silu_mul(gate_up: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU on the fused [rows, 2I] projection as one kernel each way (CUDA; ``compile_elementwise``). ``valid``: the
+    rows the GEMMs around it cover (a device int); the backward leaves the gradient of the rows past it unwritten."""
+    return _SiluMul.apply(gate_up, valid)
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -181,7 +183,9 @@ class LocalExperts:
         if has_bias:
             gate_up = add_bias(gate_up, weights[2])
         if fuse and self.is_silu:
-            hidden = silu_mul(gate_up)
+            # The grouped GEMMs stop at their last offset, so the gradient of the rows past it (the static exchange's
+            # padding) is never read; one expert's plain GEMMs read every row (their weight gradients sum them).
+            hidden = silu_mul(gate_up, offs[-1:] if len(counts) > 1 else None)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)
         else:

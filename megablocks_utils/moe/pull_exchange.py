@@ -11,9 +11,10 @@ row before the trip back.
 
   trip out: my tokens (buffer X), each copy's expert, sorted row and router weight (meta) and my counts published,
   barrier -> every rank's counts read -> the plan (``pull_plan``) -> for every (source, token) pair with copies for my
-  experts, its row read once and written to those copies' slots, expert-major ([capacity, H], zeros past the valid
-  rows), with their weights -> ``compute`` -> trip back: each pair's weighted outputs summed into one fp32 row of S,
-  barrier -> each of my tokens' rows read from the ranks holding its copies and summed: the layer's output [T, H].
+  experts, its row read once and written to those copies' slots, expert-major ([capacity, H]; past the valid rows
+  zeros where one local expert's plain GEMMs read them, else whatever was there), with their weights -> ``compute``
+  -> trip back: each pair's weighted outputs summed into one fp32 row of S, barrier -> each of my tokens' rows read
+  from the ranks holding its copies and summed: the layer's output [T, H].
 
 The backward reads the same way: the output's gradient published in X, each pair's read once (times each slot's weight;
 each weight's gradient is its output dotted with it); the gradient of each pair's copies summed into S (the weights'
@@ -222,6 +223,12 @@ class SymmetricPeers:
                 raise RuntimeError("symmetric memory: this rank's own view is not its buffer; the exchange cannot read peers")
             self.tables[name] = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
         self.handle = handle  # any buffer's handle serves for the barrier
+        # The padding rows past the valid ones (up to capacity) of the copies and of their gradients: zeroed only for one
+        # local expert, whose plain GEMMs run over every row and sum the padding into the weights' gradients (zeros keep
+        # those exact). Grouped GEMMs stop at their last offset and the per-expert loop runs on the valid rows
+        # (``layer.compute_valid_rows``), so with more experts nothing reads them: ~2x the mean rows a layer at factor 3,
+        # not written twice (forward and backward).
+        self.zero_padding = experts // self.ep == 1
         self.every_rank = torch.arange(self.ep, dtype=torch.int32, device=device)
         self.first_row = torch.zeros(self.ep, dtype=torch.int32, device=device)
 
@@ -243,12 +250,13 @@ class SymmetricPeers:
         # a power of two of columns (Triton's ranges): -1 past k
         slots = torch.empty(self.ep * tokens, 1 << (k - 1).bit_length(), dtype=torch.int32, device=self.x.device)
         self.kernels.expand_forward(self.tables["x"], self.tables["meta"], plan.first, plan.sent_start, plan.received, out,
-                                    w, slots, tokens, k, self.ep, local, me)
+                                    w, slots, tokens, k, self.ep, local, me, zero_padding=self.zero_padding)
         return out, w, slots
 
     def expand_backward(self, slots: torch.Tensor, w: torch.Tensor, y: torch.Tensor, received: torch.Tensor, me: int):
         d_y, d_w = torch.empty_like(y), torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
-        self.kernels.expand_backward(self.tables["x"], slots, w, y, received, d_y, d_w, self.x.shape[0], self.ep, me)
+        self.kernels.expand_backward(self.tables["x"], slots, w, y, received, d_y, d_w, self.x.shape[0], self.ep, me,
+                                     zero_padding=self.zero_padding)
         return d_y, d_w
 
     def share_sums(self, rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor | None = None,

@@ -7,6 +7,10 @@ DeepSeek-V2-Lite layer and micro-step (24,576 rows x 2 x 1408) where 345 MB is t
 one H200. Here each program reads a tile of gate, up and the gradient once and writes both halves. The arithmetic is
 the compiled kernel's: fp32 throughout, one rounding per output (grad_up = g * silu(gate), grad_gate =
 g * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))).
+
+``valid`` (a device int: the rows the grouped GEMMs cover, their last offset) stops it there: past it the static
+exchange's padding rows (up to 3x the mean rows at ep 4), whose gradient nothing reads, are left unwritten, with no
+host sync.
 """
 
 import torch
@@ -17,10 +21,16 @@ _BLOCK_ROWS, _BLOCK_COLS = 16, 128
 
 
 @triton.jit
-def _silu_mul_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, rows, stride_gate_up, stride_grad, stride_out,
-                              WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """One [BLOCK_ROWS, BLOCK_COLS] tile of columns < WIDTH (= I): both halves of the gradient of ``gate_up``."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+def _silu_mul_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, rows, valid_ptr, stride_gate_up, stride_grad, stride_out,
+                              WIDTH: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """One [BLOCK_ROWS, BLOCK_COLS] tile of columns < WIDTH (= I): both halves of the gradient of ``gate_up``; with
+    BOUNDED only rows below ``*valid_ptr``."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    if BOUNDED:
+        rows = tl.minimum(rows, tl.load(valid_ptr).to(tl.int64))
+        if start >= rows:
+            return
+    r = start + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < WIDTH)[None, :]
     at = r[:, None] * stride_gate_up + c[None, :]
@@ -35,9 +45,10 @@ def _silu_mul_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, rows, stride_gate_
     tl.store(out + WIDTH, grad_up.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def silu_mul_backward(gate_up: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of ``gate_up`` [rows, 2I] (row-contiguous) for ``grad`` [rows, I], the gradient of
-    ``silu(gate) * up``: [rows, 2I] in ``gate_up``'s dtype."""
+    ``silu(gate) * up``: [rows, 2I] in ``gate_up``'s dtype. ``valid`` (an integer tensor of one element, on the device):
+    only the rows below it are computed; the rest of the output is left unwritten."""
     rows, width = grad.shape
     if gate_up.shape != (rows, 2 * width) or gate_up.stride(-1) != 1:
         raise ValueError(f"silu_mul_backward: gate_up {tuple(gate_up.shape)} (last stride {gate_up.stride(-1)}) and grad "
@@ -46,6 +57,7 @@ def silu_mul_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor
     out = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
     if rows and width:
         grid = (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(width, _BLOCK_COLS))
-        _silu_mul_backward_kernel[grid](gate_up, grad, out, rows, gate_up.stride(0), grad.stride(0), out.stride(0), WIDTH=width,
+        _silu_mul_backward_kernel[grid](gate_up, grad, out, rows, valid if valid is not None else out, gate_up.stride(0),
+                                        grad.stride(0), out.stride(0), WIDTH=width, BOUNDED=valid is not None,
                                         BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
     return out
