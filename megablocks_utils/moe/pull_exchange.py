@@ -13,7 +13,7 @@ row before the trip back.
   barrier -> every rank's counts read -> the plan (``pull_plan``) -> for every (source, token) pair with copies for my
   experts, its row read once and written to those copies' slots, expert-major ([capacity, H]; past the valid rows
   zeros where one local expert's plain GEMMs read them, else whatever was there), with their weights -> ``compute``
-  -> trip back: each pair's weighted outputs summed into one fp32 row of S, barrier -> each of my tokens' rows read
+  -> trip back: each pair's weighted outputs summed (in fp32) into one row of S, barrier -> each of my tokens' rows read
   from the ranks holding its copies and summed: the layer's output [T, H].
 
 The backward reads the same way: the output's gradient published in X, each pair's read once (times each slot's weight;
@@ -128,7 +128,8 @@ def expanded_backward(d_all: torch.Tensor, slots: torch.Tensor, w: torch.Tensor,
 
 
 def pair_sums(rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum_slots``: [ep * T, H] fp32, each pair's slots of ``rows`` summed (times ``w``), zeros for none."""
+    """``sum_slots``: [ep * T, H] fp32, each pair's slots of ``rows`` summed (times ``w``), zeros for none (the
+    shared buffer holds them in ``rows``' dtype)."""
     at = slots.reshape(-1, slots.shape[-1])
     picked = rows[at.clamp(min=0)].float() * (at >= 0).unsqueeze(-1)
     if w is not None:
@@ -137,11 +138,11 @@ def pair_sums(rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor | None = 
 
 
 def rank_sums(s_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, me: int, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_ranks``: each of my tokens' rows (``me * T + t`` of ``s_all`` [ep, ep * T, H] fp32) summed over the ranks
-    holding one of its kept copies, in ``dtype``."""
+    """``sum_ranks``: each of my tokens' rows (``me * T + t`` of ``s_all`` [ep, ep * T, H]) summed in fp32 over the
+    ranks holding one of its kept copies, in ``dtype``."""
     ep, tokens = s_all.shape[0], owner.shape[0]
     holds = ((owner.long().unsqueeze(-1) == torch.arange(ep, device=owner.device)) & (slot >= 0).unsqueeze(-1)).any(1)
-    mine = s_all[:, me * tokens : (me + 1) * tokens]
+    mine = s_all[:, me * tokens : (me + 1) * tokens].float()
     return (mine * holds.T.unsqueeze(-1)).sum(0).to(dtype)
 
 
@@ -183,7 +184,7 @@ class GatheredPeers:
 
     def share_sums(self, rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor | None = None,
                    grad_w: torch.Tensor | None = None) -> None:
-        self.s_all = self._gather(pair_sums(rows, slots, w))
+        self.s_all = self._gather(pair_sums(rows, slots, w).to(rows.dtype))
         if grad_w is not None:
             self.gw_all = self._gather(grad_w)
 
@@ -196,7 +197,7 @@ class GatheredPeers:
 
 class SymmetricPeers:
     """``GatheredPeers``' contract in GPU memory every rank of ``group`` maps (torch's symmetric memory): buffers X
-    (``tokens`` x H: my tokens, then my output's gradient), S (ep * ``tokens`` x H fp32: per (source, token) sums), GW
+    (``tokens`` x H: my tokens, then my output's gradient), S (ep * ``tokens`` x H: per (source, token) sums), GW
     (``capacity`` fp32: the weights' gradients), the routing meta and the counts; one set per shape, shared by every
     layer (the X, S alternation keeps that safe)."""
 
@@ -210,7 +211,7 @@ class SymmetricPeers:
         self.kernels = pull_kernel
         self.ep = dist.get_world_size(group)
         self.x = symm_mem.empty(tokens, hidden, dtype=dtype, device=device)
-        self.s = symm_mem.empty(self.ep * tokens, hidden, dtype=torch.float32, device=device)
+        self.s = symm_mem.empty(self.ep * tokens, hidden, dtype=dtype, device=device)  # sums in the compute dtype
         self.gw = symm_mem.empty(capacity, dtype=torch.float32, device=device)
         self.meta = symm_mem.empty(3, tokens * k, dtype=torch.int32, device=device)
         self.counts = symm_mem.empty(1, experts, dtype=torch.int64, device=device)

@@ -10,8 +10,10 @@ holds, for pair q = s * T + t, the rows (slots) its copies take among this rank'
 - ``expand_forward``: each pair's row read once from its source and written to each of its slots, with the copies'
   router weights; the slots worked out from the sources' published routing (``pull_exchange.receiver_slots``).
 - ``expand_backward``: the same read (the output gradient) times each slot's weight, and each weight's gradient.
-- ``sum_slots``: each pair's slots summed (weighted or not) into one fp32 row of this rank's shared buffer (fp32: one
-  rounding to the compute dtype at the end, as one rank's sum of a token's copies makes).
+- ``sum_slots``: each pair's slots summed (weighted or not) in fp32 into one row of this rank's shared buffer, in the
+  compute dtype: the rows every peer reads back (``sum_ranks``) are half the bytes of fp32 in bf16, at the cost of one
+  more rounding per rank holding a token's copies (the 24th session's ep 4 profile: the rank sums' reads were 31 of a
+  431 ms step in fp32).
 - ``sum_ranks``: each of my tokens' rows summed over the ranks holding its copies.
 - ``read_scalars``: each of my copies' value at its slot on its owner (the router weights' gradients).
 - ``pull_rows``: rows by (rank, row) (the counts of every rank).
@@ -176,7 +178,8 @@ def _sum_slots_kernel(rows_ptr, w_ptr, slots_ptr, out_ptr, H, KP: tl.constexpr, 
 
 
 def sum_slots(rows, w, slots, out):
-    """``out[q]`` = the sum over pair q's slots of ``rows[slot]`` (times ``w[slot]`` where ``w`` is given), in fp32;
+    """``out[q]`` = the sum over pair q's slots of ``rows[slot]`` (times ``w[slot]`` where ``w`` is given), in fp32,
+    written in ``out``'s dtype;
     rows of pairs without a slot are left as they are (nobody reads them)."""
     pairs, h = out.shape
     _sum_slots_kernel[(pairs,)](rows, w if w is not None else rows, slots, out, h, KP=slots.shape[1], WEIGHTED=w is not None,
@@ -198,14 +201,14 @@ def _sum_ranks_kernel(s_table, owner_ptr, slot_ptr, out_ptr, T, H, me, K: tl.con
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
         for r in tl.static_range(EP):
             readable = tl.where(tl.sum((owner == r).to(tl.int32), axis=0) > 0, H, 0)  # none where r holds no copy
-            src = tl.load(s_table + r).to(tl.pointer_type(tl.float32))  # the per-pair sums are kept in fp32
-            total += tl.load(src + row + cols, mask=cols < readable, other=0.0)
+            src = tl.load(s_table + r).to(tl.pointer_type(out_ptr.dtype.element_ty))  # the per-pair sums, in out's dtype
+            total += tl.load(src + row + cols, mask=cols < readable, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 def sum_ranks(s_table, owner, slot, out, ep, me):
     """``out[t]`` = the sum over the ranks holding a copy of my token t (``owner``, ``slot`` [T, k]; -1 slots: cut) of row
-    ``me * T + t`` of their shared fp32 buffer, in fp32, written in ``out``'s dtype."""
+    ``me * T + t`` of their shared buffer (``out``'s dtype), in fp32, written in ``out``'s dtype."""
     tokens, h = out.shape
     _sum_ranks_kernel[(tokens,)](s_table, owner, slot, out, tokens, h, me, K=owner.shape[1],
                                  KP=triton.next_power_of_2(owner.shape[1]), EP=ep, BLOCK_H=_block(h), num_warps=WARPS)
