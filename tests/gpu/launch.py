@@ -78,7 +78,8 @@ def run_on_gpus(fn, world: int, *args, timeout: float = 600) -> list:
 
 # A port free_port saw free can be taken before rank 0's store binds it: by another lane's launch (tests/gpu/lanes.sh runs
 # five pytest processes at once; 4 x H200, 2026-11-27: two module fixtures failed with EADDRINUSE). Such a launch, which
-# ran none of the test's work, is tried again on a new port.
+# ran none of the test's work, is tried again on a new port; so is an accelerate launch (launch_together; 4 x H200,
+# 2026-11-28: lane a's fsdp1 run of test_four_gpus, "TCPStore ... EADDRINUSE").
 PORT_ATTEMPTS = 3
 
 
@@ -126,14 +127,45 @@ def train_fsdp1(nproc: int, output_dir: str, *args: str) -> list[str]:
 def launch_together(commands: dict[str, list[str]], timeout: float = 500) -> dict[str, str]:
     """Start every command at once (the tiny model's runs share the GPUs easily; most of each is start-up and
     compiling, on the CPU), wait for all; fail naming the ones that exited non-zero, with their output's end.
+    A launch whose rendezvous port was taken (EADDRINUSE, see PORT_ATTEMPTS) is started again on a new port.
     Returns each command's output."""
+    deadline = time.monotonic() + timeout
+    outputs, codes = {}, {}
+    todo = dict(commands)
+    for attempt in range(PORT_ATTEMPTS):
+        done = _start_and_wait(todo, deadline)
+        outputs.update((name, out) for name, (_, out) in done.items())
+        codes.update((name, code) for name, (code, _) in done.items())
+        todo = {name: with_new_port(todo[name]) for name, (code, out) in done.items()
+                if code != 0 and port_taken(out) and "--main_process_port" in todo[name]}
+        if not todo:
+            break
+    failed = [f"--- {name}: exit {code} (-9: stopped after {timeout:.0f} s)\n{outputs[name][-3000:]}"
+              for name, code in codes.items() if code != 0]
+    if failed:
+        pytest.fail("\n".join(failed), pytrace=False)
+    return outputs
+
+
+def port_taken(output: str) -> bool:
+    """The launch failed at its rendezvous because another process bound the port first (it ran none of its work)."""
+    return "EADDRINUSE" in output and "TCPStore" in output
+
+
+def with_new_port(command: list[str]) -> list[str]:
+    """``command`` with the value after ``--main_process_port`` (accelerate's rendezvous port) replaced by a free one.
+    torchrun's ``--standalone`` picks its own port when it binds, so only accelerate's launches race for one."""
+    i = command.index("--main_process_port") + 1
+    return [*command[:i], str(free_port()), *command[i + 1:]]
+
+
+def _start_and_wait(commands: dict[str, list[str]], deadline: float) -> dict[str, tuple[int, str]]:
     procs = {}
     for name, command in commands.items():
         log = tempfile.TemporaryFile(mode="w+")
         procs[name] = (subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, **GPU_ENV), stdout=log,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True), log)
-    deadline = time.monotonic() + timeout
-    failed, outputs = [], {}
+    done = {}
     for name, (proc, log) in procs.items():
         try:
             proc.wait(max(1.0, deadline - time.monotonic()))
@@ -141,13 +173,9 @@ def launch_together(commands: dict[str, list[str]], timeout: float = 500) -> dic
             os.killpg(proc.pid, 9)
             proc.wait()
         log.seek(0)
-        outputs[name] = log.read()
+        done[name] = (proc.returncode, log.read())
         log.close()
-        if proc.returncode != 0:
-            failed.append(f"--- {name}: exit {proc.returncode} (-9: stopped after {timeout:.0f} s)\n{outputs[name][-3000:]}")
-    if failed:
-        pytest.fail("\n".join(failed), pytrace=False)
-    return outputs
+    return done
 
 
 def metrics(output_dir: str) -> list[dict]:
