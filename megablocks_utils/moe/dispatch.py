@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from megablocks_utils.moe.fused import fused
-from megablocks_utils.moe.weight_grad import join_weight_grads, weight_grads_beside_exchange
 
 # The gathers' kernels where ``fuse`` is on: "triton" (gather_kernels.py: each row read once, the combine's backward in
 # one pass) or "compiled" (``fused`` of ``_gather_sum`` and ``_gather_combine``); bench/kernel_bench.py --pieces
@@ -111,21 +110,16 @@ def _all_to_all(rows: torch.Tensor, recv_splits: list[int], send_splits: list[in
 class _AllToAll(torch.autograd.Function):
     """``rows`` to the ep ranks (``send_splits`` rows to each) and theirs to us (``recv_splits``); the backward sends the
     gradients back the same way. ``wait`` False: the result must go through ``wait_for`` before it is read (so that
-    other work can be queued meanwhile). ``join``: the backward, once its all-to-all is queued, joins the expert weight
-    gradients queued beside it (``weight_grad.join_weight_grads``)."""
+    other work can be queued meanwhile)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group, wait: bool,
-                join: bool) -> torch.Tensor:
-        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.join = recv_splits, send_splits, group, join
+    def forward(ctx, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group, wait: bool) -> torch.Tensor:
+        ctx.recv_splits, ctx.send_splits, ctx.group = recv_splits, send_splits, group
         return _all_to_all(rows, recv_splits, send_splits, group, wait)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = _all_to_all(grad, ctx.send_splits, ctx.recv_splits, ctx.group, True)
-        if ctx.join:
-            join_weight_grads()
-        return out, None, None, None, None, None
+        return _all_to_all(grad, ctx.send_splits, ctx.recv_splits, ctx.group, True), None, None, None, None
 
 
 def wait_for(rows: torch.Tensor) -> None:
@@ -171,8 +165,7 @@ def exchange(
     # and each chunk's regrouping from these few numbers, where the GPU would take a dozen launches and a sort.
     sent_host, received_host = torch.cat([send, recv]).cpu().numpy().reshape(2, ep, chunks, local)
     send_splits, recv_splits = sent_host.sum(-1).T.tolist(), received_host.sum(-1).T.tolist()  # [c][rank]
-    # join: the backward of the trip out waits for the experts' weight gradients, which ran beside it.
-    received_rows = [_AllToAll.apply(rows, recv_splits[c], send_splits[c], group, chunks == 1, True) for c, rows in enumerate(routed)]
+    received_rows = [_AllToAll.apply(rows, recv_splits[c], send_splits[c], group, chunks == 1) for c, rows in enumerate(routed)]
     outs = []
     for c in range(chunks):
         # Received rows are source-major; the experts want them expert-major.
@@ -180,10 +173,9 @@ def exchange(
         regroup, inverse, expert_counts = _regroup(received_host[:, c, :], expert_rows, recv.device)
         if chunks > 1:
             wait_for(received_rows[c])
-        with weight_grads_beside_exchange():  # their weight gradients beside the backward's trip back
-            expert_out = compute(_Permute.apply(received_rows[c], regroup, inverse), expert_counts, expert_rows.tolist())
+        expert_out = compute(_Permute.apply(received_rows[c], regroup, inverse), expert_counts, expert_rows.tolist())
         source_major = _Permute.apply(expert_out, inverse, regroup)
-        outs.append(_AllToAll.apply(source_major, send_splits[c], recv_splits[c], group, True, False))
+        outs.append(_AllToAll.apply(source_major, send_splits[c], recv_splits[c], group, True))
     return outs
 
 

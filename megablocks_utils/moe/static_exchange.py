@@ -135,8 +135,8 @@ def static_exchange(
     heard = _all_to_all(message, [local + 1] * ep, [local + 1] * ep, group, True).view(ep, local + 1)
     received, overflow = heard[:, :local], heard[:, local].any()  # received[s, e]: rank s's rows for my expert e
     slot_of_row, row_of_slot = send_slots(sent_rows, rows, capacity)
-    arrived = _AllToAll.apply(_GatherRows.apply(routed, row_of_slot, slot_of_row), splits, splits, group, True, False)
+    arrived = _AllToAll.apply(_GatherRows.apply(routed, row_of_slot, slot_of_row), splits, splits, group, True)
     regroup, inverse, expert_counts = expert_major(received, capacity)
     expert_out = compute(_Permute.apply(arrived, regroup, inverse), expert_counts, None)
-    returned = _AllToAll.apply(_Permute.apply(expert_out, inverse, regroup), splits, splits, group, True, False)
+    returned = _AllToAll.apply(_Permute.apply(expert_out, inverse, regroup), splits, splits, group, True)
     return _GatherRows.apply(returned, slot_of_row, row_of_slot), overflow

@@ -23,60 +23,6 @@ from megablocks_utils.moe.cast import cast_grad
 # Set by ``gradients_written``: the ids of the parameters whose existing gradient a GEMM wrote (rather than added to).
 _written: set | None = None
 
-# The experts' weight-gradient GEMMs beside the all-to-all (ep > 1, CUDA): inside ``dispatch.exchange`` the GEMMs'
-# backward computes the input gradient on the compute stream, then queues the weight gradient on a side stream; the
-# all-to-all that returns the input gradients to the tokens' ranks runs meanwhile, and its backward joins the side
-# stream (``join_weight_grads``) before anything after it runs. Off: each GEMM's weight gradient on the compute
-# stream before the all-to-all may start (the same kernels and results, in another order: tests/gpu/
-# test_weight_grads_beside.py, to the bit at ep 2). Off by default: at ep 4 on 4 x H200 (Qwen3-30B-A3B's shape, 12 layers,
-# 2026-11-28) three launches each way gave 0.645 s a step with it against 0.617 without, launches of either 0.59-0.84 s.
-WEIGHT_GRADS_BESIDE_EXCHANGE = False
-_beside = False  # set by ``weight_grads_beside_exchange`` during the forward of the experts between two all-to-alls
-_side_streams: dict = {}  # device -> its side stream
-_pending: set = set()  # devices whose side stream has work that the compute stream has not joined yet
-
-
-@contextmanager
-def weight_grads_beside_exchange():
-    """The expert GEMMs whose forward runs inside take the side stream for their weight gradient in the backward
-    (where ``WEIGHT_GRADS_BESIDE_EXCHANGE`` is on, on CUDA, outside graph capture). Only for GEMMs between two
-    all-to-alls whose backward calls ``join_weight_grads``: ``dispatch.exchange``."""
-    global _beside
-    outer, _beside = _beside, WEIGHT_GRADS_BESIDE_EXCHANGE
-    try:
-        yield
-    finally:
-        _beside = outer
-
-
-def join_weight_grads() -> None:
-    """Make the current stream wait for every weight gradient queued on a side stream (a no-op where none is)."""
-    for device in list(_pending):
-        torch.cuda.current_stream(device).wait_stream(_side_streams[device])
-    _pending.clear()
-
-
-def _can_go_beside(x: torch.Tensor) -> bool:
-    """A side stream for ``x``'s device: CUDA, outside a graph capture (a captured side stream would need its own join
-    inside the graph)."""
-    return x.is_cuda and not torch.cuda.is_current_stream_capturing()
-
-
-def _on_side_stream(work, *read: torch.Tensor) -> None:
-    """Run ``work()`` (which reads ``read``) on the device's side stream, after what the compute stream queued so far.
-    The allocator keeps ``read``'s memory until the side stream is past it (``record_stream``)."""
-    device = read[0].device
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        work()
-    for t in read:
-        t.record_stream(side)
-    _pending.add(device)
-
-
 @contextmanager
 def gradients_written(written: set):
     """Inside, every ``WeightGradInto`` writes its parameter's existing gradient instead of adding to it, and puts the
@@ -135,7 +81,6 @@ class _GroupedMMGradInto(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, into: WeightGradInto, transpose_weight: bool):
         ctx.save_for_backward(x, w, offs)
         ctx.into, ctx.transpose_weight = into, transpose_weight
-        ctx.beside = _beside
         return grouped_mm(x, w.transpose(-2, -1) if transpose_weight else w, offs)
 
     @staticmethod
@@ -147,12 +92,7 @@ class _GroupedMMGradInto(torch.autograd.Function):
             grad_x = grouped_mm(grad_out, w if ctx.transpose_weight else w.transpose(-2, -1), offs)
         # w_e [N, K]: its gradient grad_out_e^T @ x_e; w_e [K, N]: x_e^T @ grad_out_e
         a, b = (grad_out, x) if ctx.transpose_weight else (x, grad_out)
-        # Beside the exchange only where the input gradient goes on to the all-to-all whose backward joins the side
-        # stream (an input without gradient never reaches it).
-        if ctx.beside and grad_x is not None and _can_go_beside(x):
-            _on_side_stream(lambda: ctx.into.add(a, b, offs), a, b, offs)
-        else:
-            ctx.into.add(a, b, offs)
+        ctx.into.add(a, b, offs)
         return grad_x, None, None, None, None
 
 
