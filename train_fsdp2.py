@@ -107,7 +107,8 @@ from megablocks_utils.train.cuda_graph import (  # noqa: E402
 )
 from megablocks_utils.train.auto_exchange import AUTO, resolve_capacity_factor, resolve_wrap_and_factor  # noqa: E402
 from megablocks_utils.train.optim import param_dtype  # noqa: E402
-from megablocks_utils.train.segment_graphs import SegmentGraphs, resolve_segment_graphs, segment_blocker  # noqa: E402
+from megablocks_utils.train.segment_graphs import SegmentGraphs  # noqa: E402
+from megablocks_utils.train.segment_plan import resolve_segment_graphs, segment_blocker  # noqa: E402
 from megablocks_utils.train.memory_plan import (  # noqa: E402
     check_checkpointed_layers,
     check_fit,

@@ -2,6 +2,7 @@
 per-GPU bytes against hand-computed numbers for a tiny config, and the command line's verdicts."""
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -454,10 +455,11 @@ def test_cli_missing_model_dir_exits_2(tmp_path):
 def test_cli_defaults_are_train_fsdp2s():
     with open(os.path.join(ROOT, "train_fsdp2.py")) as f:
         tree = ast.parse(f.read())
-    script = {
+    script = {  # the settings block's literals, negative numbers (a unary minus) included
         node.targets[0].id: ast.literal_eval(node.value)
         for node in tree.body
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Constant)
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, (ast.Constant, ast.UnaryOp)) and isinstance(getattr(node.value, "operand", node.value), ast.Constant)
     }
     compared = 0
     for name, default in memory_plan.DEFAULTS.items():
@@ -465,7 +467,41 @@ def test_cli_defaults_are_train_fsdp2s():
             value = memory_plan.checkpointing_mode(script[name]) if name == "activation_checkpointing" else script[name]
             assert default == value, name
             compared += 1
-    assert compared >= 4
+    assert compared >= 4 and "ep_capacity_factor" in script and "cuda_graphs" in script
+
+
+def _estimate_lines(out: str) -> list[str]:
+    """The printed plan and estimate, without the line that says what auto chose."""
+    return [x for x in out.splitlines() if not x.startswith("ep_capacity_factor auto")]
+
+
+def test_cli_resolves_the_exchange_and_units_as_train_fsdp2(tmp_path, capsys):
+    """The command line plans what train_fsdp2.py would run: its auto capacity factor at ep 4 = world size on one node
+    (3, with the dense weights whole on every rank), the same estimate as that plan given outright; auto's factor dropped
+    where its buffers do not fit within 90% (full Qwen3-30B-A3B: the exact exchange's estimate); auto's reasons for the
+    exact exchange said (another optimizer, ranks over two nodes); an explicit factor taken as given."""
+    with open(os.path.join(CONFIGS, "qwen3-30b-a3b", "config.json")) as f:
+        config = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 12}))
+    base = ["--nproc", "4", "--nproc_per_node", "4", "--gpu_memory_gib", "140", "--optim", "adamw_bf16", "--max_length", "4096",
+            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4"]
+
+    def run(model, *extra):
+        assert memory.main(["--model_name_or_path", model, *base, *extra]) == 0
+        return capsys.readouterr().out
+
+    auto12 = run(str(tmp_path))
+    assert auto12.startswith("ep_capacity_factor auto: 3 (ep 4 = world size on one node"), auto12
+    assert _estimate_lines(auto12) == _estimate_lines(run(str(tmp_path), "--ep_capacity_factor", "3", "--fsdp_wrap", "none"))
+    assert _estimate_lines(auto12) != _estimate_lines(run(str(tmp_path), "--ep_capacity_factor", "0"))
+    full = os.path.join(CONFIGS, "qwen3-30b-a3b")
+    auto48 = run(full)
+    assert auto48.startswith("ep_capacity_factor auto: 0, the exact exchange (with its buffers the dense weights do not fit"), auto48
+    exact48 = run(full, "--ep_capacity_factor", "0")
+    assert not exact48.startswith("ep_capacity_factor") and _estimate_lines(auto48) == _estimate_lines(exact48)
+    assert "optim adamw_torch: the dense weights whole" in run(str(tmp_path), "--optim", "adamw_torch")
+    assert "spans nodes of 2 GPUs" in run(str(tmp_path), "--nproc_per_node", "2")
+    assert "static exchange" not in run(str(tmp_path), "--cuda_graphs", "false")
 
 
 def test_import_stays_light():

@@ -11,8 +11,9 @@ from conftest import ARCHITECTURES, run_ranks, tiny_moe_config
 from torch import nn
 
 from megablocks_utils.errors import InputError
-from megablocks_utils.train import segment_graphs
-from megablocks_utils.train.segment_graphs import SEGMENT_LAYERS, SegmentGraphs, resolve_segment_graphs, segment_blocker
+from megablocks_utils.train import segment_graphs, segment_plan
+from megablocks_utils.train.segment_graphs import SegmentGraphs
+from megablocks_utils.train.segment_plan import SEGMENT_LAYERS, resolve_segment_graphs, segment_blocker
 
 EP2 = dict(device_type="cuda", world_size=2, ep_size=2, moe_backend="native", attention="varlen", activation_checkpointing="none",
            checkpoint_experts=False, lora=False, dtype=torch.bfloat16, weights=torch.bfloat16, fsdp_wrap="none")
@@ -105,12 +106,12 @@ def test_the_setting_segments_is_on_or_refused_and_auto_follows_the_switch(monke
         resolve_segment_graphs("segments", "CUDA graphs need a GPU")
     assert resolve_segment_graphs("false", None) == (False, "")
     assert resolve_segment_graphs("true", None) == (False, "")  # whole micro-steps: cuda_graph.py
-    monkeypatch.setattr(segment_graphs, "SEGMENTS_IN_AUTO", True)
+    monkeypatch.setattr(segment_plan, "SEGMENTS_IN_AUTO", True)
     assert resolve_segment_graphs("auto", None)[0] is True
     assert resolve_segment_graphs("auto", "one GPU: ...") == (False, "")
     assert resolve_segment_graphs("auto", None, single_node=False) == (False, "")  # measured on one node only
     assert resolve_segment_graphs("segments", None, single_node=False)[0] is True  # as asked
-    monkeypatch.setattr(segment_graphs, "SEGMENTS_IN_AUTO", False)
+    monkeypatch.setattr(segment_plan, "SEGMENTS_IN_AUTO", False)
     assert resolve_segment_graphs("auto", None) == (False, "")
 
 

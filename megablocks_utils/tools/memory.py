@@ -14,15 +14,18 @@ import sys
 
 from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import InputError
+from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.model.loading import load_config
+from megablocks_utils.train.auto_exchange import plan_as_the_script
 from megablocks_utils.train.memory_plan import (
     DEFAULTS,
     FSDP_WRAP_SETTINGS,
     GiB,
     OPTIM_BYTES,
     checkpointing_hint,
+    checkpointing_mode,
     estimate_memory,
     fit_error,
-    resolve_fsdp_wrap,
 )
 
 
@@ -59,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=FSDP_WRAP_SETTINGS,
                         help="FSDP units of the dense weights: each decoder layer, the whole model at once, or auto (train_fsdp2.py's rule)")
     parser.add_argument("--ep_capacity_factor", type=float, default=DEFAULTS["ep_capacity_factor"],
-                        help="> 0: the static expert exchange, each MoE layer's received rows fixed at this x the mean "
-                             "(train_fsdp2.py's auto takes 2 at ep 2 and 3 at ep 4 on one node with adamw_bf16, where it fits)")
+                        help="> 0: the static expert exchange, each MoE layer's received rows fixed at this x the mean; 0: the "
+                             "exact exchange; -1 (auto): as train_fsdp2.py resolves it (2 at ep 2 and 3 at ep 4 = world size "
+                             "on one node with adamw_bf16 and CUDA graphs, where it fits)")
+    parser.add_argument("--cuda_graphs", default=DEFAULTS["cuda_graphs"], choices=["auto", "true", "false", "segments"],
+                        help="as train_fsdp2.py's: what auto's exchange and FSDP units depend on")
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
@@ -90,13 +96,18 @@ def main(argv: list[str] | None = None) -> int:
             lora_target_modules=args.lora_target_modules,
             chunked_loss=chunked_loss,
             checkpoint_experts=checkpoint_experts,
-            ep_capacity_factor=args.ep_capacity_factor,
         )
-        layer = plan_for(fsdp_wrap="layer")
-        wrap = resolve_fsdp_wrap(args.fsdp_wrap, lambda w: plan_for(fsdp_wrap=w), args.gpu_memory_gib * 2**30, args.nproc, layer.ep)
-        estimate = layer if wrap == "layer" else plan_for(fsdp_wrap=wrap)
+        ep = plan_for(fsdp_wrap="layer", ep_capacity_factor=0.0).ep  # --ep_size resolved (0: all ranks) and checked
+        wrap, factor, note = plan_as_the_script(
+            args.ep_capacity_factor, args.fsdp_wrap, plan_for, args.gpu_memory_gib * GiB, world_size=args.nproc, ep=ep,
+            local_world_size=args.nproc_per_node, optim=args.optim, lora=args.finetuning == "lora",
+            activation_checkpointing=checkpointing_mode(args.activation_checkpointing), checkpoint_experts=checkpoint_experts,
+            expert_bias=spec_for(load_config(args.model_name_or_path)).expert_bias, cuda_graphs=args.cuda_graphs)
+        estimate = plan_for(fsdp_wrap=wrap, ep_capacity_factor=factor)
     except InputError as e:
         parser.error(str(e))
+    if note:
+        print(note)
     print(estimate.describe())
     error = fit_error(estimate, args.gpu_memory_gib * GiB)
     if error:

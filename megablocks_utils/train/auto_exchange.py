@@ -13,8 +13,11 @@ where the graphs turn out blocked after loading: the static exchange without gra
 
 from collections.abc import Callable
 
+import torch
+
 from megablocks_utils.train.cuda_graph import graph_blocker
-from megablocks_utils.train.memory_plan import MemoryEstimate, resolve_fsdp_wrap
+from megablocks_utils.train.memory_plan import OPTIM_BYTES, MemoryEstimate, resolve_fsdp_wrap
+from megablocks_utils.train.segment_plan import resolve_segment_graphs, segment_blocker
 
 AUTO = -1.0
 # ep -> factor. At ep 2 a rank can never receive more than 2 x the mean rows (both ranks' rows), so 2 never overflows.
@@ -86,3 +89,25 @@ def resolve_wrap_and_factor(fsdp_wrap: str, plan_for: Callable[..., MemoryEstima
                              world_size, ep, replicated=segments_planned)
     return wrap, 0.0, (f"ep_capacity_factor auto: 0, the exact exchange (with its buffers the dense weights do not fit "
                        f"whole on every rank within 90% of the GPU; fsdp_wrap auto: {wrap})")
+
+
+def plan_as_the_script(ep_capacity_factor: float, fsdp_wrap: str, plan_for: Callable[..., MemoryEstimate],
+                       gpu_memory_bytes: float, *, world_size: int, ep: int, local_world_size: int, optim: str, lora: bool,
+                       activation_checkpointing: str, checkpoint_experts: bool, expert_bias: bool,
+                       cuda_graphs: str = "auto", moe_backend: str = "native") -> tuple[str, float, str]:
+    """(fsdp_wrap's units, the capacity factor, the line the script prints or "") as train_fsdp2.py resolves them on GPUs
+    in bf16, through the same rules in its order (``resolve_capacity_factor``, the segments' plan,
+    ``resolve_wrap_and_factor``): the fit check's command line estimates the run the script would make. The attention
+    kernel is taken as capturable (the script checks the one auto picks once the model is loaded)."""
+    factor, factor_note = resolve_capacity_factor(
+        ep_capacity_factor, device_type="cuda", world_size=world_size, ep_size=ep, local_world_size=local_world_size,
+        moe_backend=moe_backend, expert_bias=expert_bias, lora=lora, activation_checkpointing=activation_checkpointing,
+        checkpoint_experts=checkpoint_experts, dtype=torch.bfloat16, optim=optim, cuda_graphs=cuda_graphs, fsdp_wrap=fsdp_wrap)
+    segments_planned = resolve_segment_graphs(cuda_graphs, segment_blocker(
+        device_type="cuda", world_size=world_size, ep_size=ep, moe_backend=moe_backend, attention=None,
+        activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts, lora=lora,
+        dtype=torch.bfloat16, weights=torch.bfloat16 if OPTIM_BYTES[optim][0] == 2 else torch.float32, fsdp_wrap=fsdp_wrap),
+        single_node=local_world_size >= world_size)[0]
+    wrap, factor, wrap_note = resolve_wrap_and_factor(fsdp_wrap, plan_for, gpu_memory_bytes, world_size, ep, factor=factor,
+                                                      factor_auto=ep_capacity_factor == AUTO, segments_planned=segments_planned)
+    return wrap, factor, wrap_note or factor_note

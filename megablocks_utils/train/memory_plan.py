@@ -116,7 +116,8 @@ DEFAULTS = dict(
     chunked_loss=True,
     checkpoint_experts=False,
     fsdp_wrap="auto",
-    ep_capacity_factor=0.0,
+    ep_capacity_factor=-1.0,  # auto (train/auto_exchange.py): the tool resolves it as train_fsdp2.py does
+    cuda_graphs="auto",
 )
 
 
