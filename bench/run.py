@@ -626,7 +626,8 @@ def lora_quality_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_none", "emul16", "hf_emul16", "ours_lora", "hf_lora")
+FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_part_pull", "ours_none", "emul16", "hf_emul16", "ours_lora",
+                  "hf_lora")
 LORA_R = 16  # the ours_lora and hf_lora runs: train_fsdp2.py's default LoRA rank and targets (attention, every expert)
 
 
@@ -649,6 +650,10 @@ def full_size(s: Session) -> str:
     ours = {"ours_sel": f"{ours_common} --activation_checkpointing selective",
             "ours_full": f"{ours_common} --activation_checkpointing full",
             "ours_part": f"{ours_common} --activation_checkpointing full --activation_checkpointing_layers {a.part_layers or half}",
+            # ours_part with the token pull at factor 3 (no host sync per layer; checkpointing keeps the graphs off, so
+            # auto takes the exact exchange here): whether the pull pays without graphs where each layer's work is large
+            "ours_part_pull": (f"{ours_common} --activation_checkpointing full --activation_checkpointing_layers "
+                               f"{a.part_layers or half} --ep_capacity_factor 3"),
             "ours_none": f"{ours_common} --activation_checkpointing none",
             "emul16": f"{ours_common} --activation_checkpointing selective --gpu_memory_gib {a.emul_gib}",
             # LoRA: the weights frozen in bf16, fp32 adapters (adamw_torch); every layer checkpointed, as the peer
