@@ -434,6 +434,7 @@ def test_cli_counts_the_static_exchanges_capacity(capsys):
     (["--optim", "sgd"], "optim"),
     (["--activation_checkpointing", "sometimes"], "activation_checkpointing"),
     (["--nproc", "zero"], "nproc"),
+    (["--ep_capacity_factor", "-0.5"], "ep_capacity_factor"),
 ])
 def test_cli_bad_argument_exits_2_with_one_line(args, expect, capsys):
     base = {"--model_name_or_path": MIXTRAL_8X7B, "--nproc": "8", "--gpu_memory_gib": "80"}

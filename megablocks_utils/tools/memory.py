@@ -16,7 +16,7 @@ from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.loading import load_config
-from megablocks_utils.train.auto_exchange import plan_as_the_script
+from megablocks_utils.train.auto_exchange import AUTO, plan_as_the_script
 from megablocks_utils.train.memory_plan import (
     DEFAULTS,
     FSDP_WRAP_SETTINGS,
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.gpu_memory_gib > 0:
         parser.error(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
+    if args.ep_capacity_factor < 0 and args.ep_capacity_factor != AUTO:
+        parser.error(f"--ep_capacity_factor {args.ep_capacity_factor:g}: give 0 or more, or -1 (auto)")
     chunked_loss, checkpoint_experts = parse_bool(args.chunked_loss), parse_bool(args.checkpoint_experts)
     if chunked_loss is None:
         parser.error(f"--chunked_loss expects true or false, got {args.chunked_loss!r}")
