@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from megablocks_utils.train.cuda_graph import graph_blocker
-from megablocks_utils.train.memory_plan import OPTIM_BYTES, MemoryEstimate, resolve_fsdp_wrap
+from megablocks_utils.train.memory_plan import PARAM_DTYPE, MemoryEstimate, resolve_fsdp_wrap
 from megablocks_utils.train.segment_plan import resolve_segment_graphs, segment_blocker
 
 AUTO = -1.0
@@ -106,7 +106,7 @@ def plan_as_the_script(ep_capacity_factor: float, fsdp_wrap: str, plan_for: Call
     segments_planned = resolve_segment_graphs(cuda_graphs, segment_blocker(
         device_type="cuda", world_size=world_size, ep_size=ep, moe_backend=moe_backend, attention=None,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts, lora=lora,
-        dtype=torch.bfloat16, weights=torch.bfloat16 if OPTIM_BYTES[optim][0] == 2 else torch.float32, fsdp_wrap=fsdp_wrap),
+        dtype=torch.bfloat16, weights=PARAM_DTYPE[optim], fsdp_wrap=fsdp_wrap),
         single_node=local_world_size >= world_size)[0]
     wrap, factor, wrap_note = resolve_wrap_and_factor(fsdp_wrap, plan_for, gpu_memory_bytes, world_size, ep, factor=factor,
                                                       factor_auto=ep_capacity_factor == AUTO, segments_planned=segments_planned)

@@ -29,6 +29,8 @@ saves, to be calibrated against measured ``max_memory_reserved`` on GPUs (target
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
+
 from megablocks_utils.config.inputs import fail, parse_bool, resolve_shard_experts
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
@@ -47,6 +49,8 @@ OPTIM_BYTES = {
     "adamw_bf16": (2, 2, 2 + 2),  # torchao _AdamW(bf16_stochastic_round=True): everything bf16
     "adamw_torch_8bit": (4, 4, 1 + 1 + 2 * 4 / 256),  # torchao AdamW8bit: two 8-bit states, an fp32 scale per 256-block each
 }
+# The dtype each optimizer keeps the parameters in (their bytes above): train/optim.param_dtype reads it.
+PARAM_DTYPE = {"adamw_torch": torch.float32, "adamw_bf16": torch.bfloat16, "adamw_torch_8bit": torch.float32}
 COMPUTE_BYTES = 2  # bf16: FSDP's param_dtype, the gathered weight copies and every activation element
 GATHERED_LAYERS = 2  # decoder layers whose weights are gathered at once: the one computing and the one prefetched
 # A layer's gradient before reduce-scatter: as the backward produces it (bf16) and its fp32 copy (reduce_dtype).

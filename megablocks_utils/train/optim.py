@@ -41,12 +41,11 @@ import torch
 
 from megablocks_utils.parallel.grads import scale_grads_
 from megablocks_utils.train.adamw_bf16 import AdamWBF16
-from megablocks_utils.train.memory_plan import OPTIM_BYTES
+from megablocks_utils.train.memory_plan import OPTIM_BYTES, PARAM_DTYPE
 
 OPTIMIZERS = ("adamw_torch", "adamw_bf16", "adamw_torch_8bit")
 TORCHAO_VERSION = "0.18.0"  # the version these notes were checked with (CPU: torch 2.13; the GPU wheel is the same)
 
-_PARAM_DTYPE = {"adamw_torch": torch.float32, "adamw_bf16": torch.bfloat16, "adamw_torch_8bit": torch.float32}
 BLOCK_SIZE_8BIT = 256  # AdamW8bit's default: values per fp32 scale
 MIN_NUMEL_8BIT = 4096  # torchao keeps fp32 moments for a local shard below this
 
@@ -59,7 +58,7 @@ def check_optim(optim: str) -> None:
 def param_dtype(optim: str) -> torch.dtype:
     """The dtype the model's parameters must have for ``optim``."""
     check_optim(optim)
-    return _PARAM_DTYPE[optim]
+    return PARAM_DTYPE[optim]
 
 
 def state_bytes_per_param(optim: str) -> float:
