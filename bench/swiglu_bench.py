@@ -1,6 +1,8 @@
 """The experts' SwiGLU forward and backward on one GPU: the compiled function (``fused(_silu_mul)``: torch.compile
-makes both kernels) against ``silu_mul`` (the compiled forward, the Triton backward of ``moe/swiglu_kernel.py``), at
-the expert rows of one micro-step of 4096 tokens (balanced routing), in ms and the backward's GB/s of least traffic.
+makes both kernels) against ``silu_mul`` (the compiled forward, the Triton backward of ``moe/swiglu_kernel.py``) and
+``silu_mul`` bounded by a device count of valid rows (the Triton forward too: what the grouped-GEMM path runs), at the
+expert rows of one micro-step of 4096 tokens (balanced routing), in ms and the backward's GB/s of least traffic. Then
+the static exchange's case at ep 4: 3x those rows, the valid third at the top, unbounded against bounded.
 
     python bench/swiglu_bench.py [--out FILE.jsonl]
 """
@@ -33,11 +35,18 @@ def main():
         grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
         least_bytes = rows * width * 2 * 5  # read gate, up, grad; write both halves
         record = {"shape": name, "rows": rows, "width": width, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        for variant, fn in (("compiled", fused(_silu_mul)), ("ours", silu_mul)):
+        valid = torch.tensor([rows], device="cuda")
+        for variant, fn in (("compiled", fused(_silu_mul)), ("ours", silu_mul), ("bounded", lambda t: silu_mul(t, valid))):
             out = fn(gate_up)
             record[f"{variant}_forward_ms"] = do_bench(lambda fn=fn: fn(gate_up))
             record[f"{variant}_backward_ms"] = do_bench(lambda out=out: torch.autograd.grad(out, gate_up, grad, retain_graph=True))
             record[f"{variant}_backward_gbps"] = least_bytes / record[f"{variant}_backward_ms"] / 1e6
+        padded = torch.randn(3 * rows, 2 * width, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        padded_grad = torch.randn(3 * rows, width, device="cuda", dtype=torch.bfloat16)
+        for variant, fn in (("padded_unbounded", silu_mul), ("padded_bounded", lambda t: silu_mul(t, valid))):
+            out = fn(padded)
+            record[f"{variant}_forward_ms"] = do_bench(lambda fn=fn: fn(padded))
+            record[f"{variant}_backward_ms"] = do_bench(lambda out=out: torch.autograd.grad(out, padded, padded_grad, retain_graph=True))
         if name == "warm-up":
             continue
         print(json.dumps(record), flush=True)

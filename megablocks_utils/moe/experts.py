@@ -25,14 +25,18 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class _SiluMul(torch.autograd.Function):
-    """``_silu_mul`` with its forward compiled (``fused``: one kernel) and its backward our Triton kernel
-    (``swiglu_kernel.py``: gate, up and the gradient read once, where the compiled backward reads two of them twice),
-    over the rows below ``valid`` where given."""
+    """``_silu_mul`` as one kernel each way: the backward our Triton kernel (``swiglu_kernel.py``: gate, up and the
+    gradient read once, where the compiled backward reads two of them twice); the forward compiled (``fused``), or
+    where ``valid`` is given our Triton forward, both over the rows below it only."""
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(gate_up, valid)
-        return fused(_silu_mul)(gate_up)
+        if valid is None:
+            return fused(_silu_mul)(gate_up)
+        from megablocks_utils.moe.swiglu_kernel import silu_mul_forward  # Triton: imported where a GPU runs it
+
+        return silu_mul_forward(gate_up, valid)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -44,7 +48,7 @@ class _SiluMul(torch.autograd.Function):
 
 def silu_mul(gate_up: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU on the fused [rows, 2I] projection as one kernel each way (CUDA; ``compile_elementwise``). ``valid``: the
-    rows the GEMMs around it cover (a device int); the backward leaves the gradient of the rows past it unwritten."""
+    rows the GEMMs around it cover (a device int); the rows past it (activations and gradients) are left unwritten."""
     return _SiluMul.apply(gate_up, valid)
 
 
@@ -183,8 +187,8 @@ class LocalExperts:
         if has_bias:
             gate_up = add_bias(gate_up, weights[2])
         if fuse and self.is_silu:
-            # The grouped GEMMs stop at their last offset, so the gradient of the rows past it (the static exchange's
-            # padding) is never read; one expert's plain GEMMs read every row (their weight gradients sum them).
+            # The grouped GEMMs stop at their last offset, so the rows past it (the static exchange's padding) are
+            # never read, either way; one expert's plain GEMMs read every row (their weight gradients sum them).
             hidden = silu_mul(gate_up, offs[-1:] if len(counts) > 1 else None)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)

@@ -200,8 +200,9 @@ def gpt_oss_pieces() -> dict:
 
 
 def silu_mul_pieces() -> dict:
-    """The experts' SwiGLU as the layer runs it (``silu_mul``: compiled forward, Triton backward) against the fully
-    compiled function and float64, bf16 at DeepSeek-V2-Lite's expert width, rows that end mid-tile."""
+    """The experts' SwiGLU as the layer runs it (``silu_mul``: compiled forward, Triton backward; with a bound of rows,
+    the Triton forward) against the fully compiled function and float64, bf16 at DeepSeek-V2-Lite's expert width, rows
+    that end mid-tile."""
     from megablocks_utils.moe.experts import _silu_mul, silu_mul
     from megablocks_utils.moe.fused import fused
 
@@ -216,7 +217,12 @@ def silu_mul_pieces() -> dict:
     gate, up = exact.chunk(2, dim=-1)
     out = torch.nn.functional.silu(gate) * up
     truth = (out.detach(), torch.autograd.grad(out, exact, grad.double())[0])
+    # Bounded (the static exchange's padding past 3001 rows, mid-tile): the Triton forward, and the backward, there
+    bounded = silu_mul(gate_up, torch.tensor([3001], device="cuda"))
+    bounded_grad = torch.autograd.grad(bounded, gate_up, grad)[0]
     return {"silu_mul": {"forward_equal": bool(torch.equal(got["ours"][0], got["compiled"][0])),
+                         "bounded_forward_equal": bool(torch.equal(bounded[:3001], got["compiled"][0][:3001])),
+                         "bounded_backward_equal": bool(torch.equal(bounded_grad[:3001], got["ours"][1][:3001])),
                          "backward_vs_compiled": rel(got["ours"][1], got["compiled"][1]),
                          "backward_differing": float((got["ours"][1] != got["compiled"][1]).float().mean()),
                          "backward_vs_truth": rel(got["ours"][1].double(), truth[1]),
@@ -251,11 +257,12 @@ def test_compiled_silu_mul_is_one_bf16_rounding_from_eager(found):
 
 
 def test_the_swiglu_backward_kernel_is_as_close_to_float64_as_the_compiled_one(found):
-    """``silu_mul``: the forward is the compiled kernel's, bit for bit; the Triton backward computes what the compiled
-    backward does (fp32, one rounding per output): within a bf16 rounding of it (2^-8 of the largest gradient, in at
-    most 1% of elements), and no further from the float64 gradient than it (1.05x)."""
+    """``silu_mul``: the forward is the compiled kernel's, bit for bit, also the Triton forward over bounded rows; the
+    Triton backward computes what the compiled backward does (fp32, one rounding per output): within a bf16 rounding of
+    it (2^-8 of the largest gradient, in at most 1% of elements), and no further from the float64 gradient than it
+    (1.05x)."""
     silu = found["silu_mul"]
-    assert silu["forward_equal"], silu
+    assert silu["forward_equal"] and silu["bounded_forward_equal"] and silu["bounded_backward_equal"], silu
     assert silu["backward_vs_compiled"] <= 2**-8 and silu["backward_differing"] <= 0.01, silu
     assert silu["backward_vs_truth"] <= 1.05 * silu["compiled_backward_vs_truth"], silu
 
