@@ -125,7 +125,8 @@ class LocalExperts:
 
     def __call__(
         self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], counts_host: list[int] | None = None, *,
-        fuse: bool = False, lora=None, adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None
+        fuse: bool = False, lora=None, adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None,
+        padded: bool = False,
     ) -> torch.Tensor:
         """``counts`` rows of ``x`` per local expert through their experts. ``counts_host`` (``counts`` as a list)
         is needed only by the per-expert loop; without it the loop reads ``counts`` itself, a host sync that the
@@ -133,9 +134,10 @@ class LocalExperts:
         kernel (CUDA). ``lora``/``adapters``: the experts' LoRA (moe/lora.py) and the local blocks of its tensors,
         added after each projection. ``grads_into`` (only where ``uses_grouped_gemms``): gate_up's and down's gradients
         added by the GEMMs' backward into their parameters (``weight_grad.py``), whose weights then come without
-        autograd edge."""
+        autograd edge. ``padded``: rows past the counts' sum follow (the static exchange's), which the grouped path's
+        SwiGLU then leaves alone."""
         if not self.loops(x):
-            return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into)
+            return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into, padded)
         if grads_into is not None:
             raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms)")
         return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
@@ -158,7 +160,8 @@ class LocalExperts:
         return self.act_fn(gate) * up
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool, lora=None,
-                adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None) -> torch.Tensor:
+                adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None,
+                padded: bool = False) -> torch.Tensor:
         """All local experts in one grouped GEMM per projection; ``counts`` stays on the device (no host sync)."""
         has_bias = len(weights) == 4
         w_gate_up, w_down = weights[:2]
@@ -188,8 +191,10 @@ class LocalExperts:
             gate_up = add_bias(gate_up, weights[2])
         if fuse and self.is_silu:
             # The grouped GEMMs stop at their last offset, so the rows past it (the static exchange's padding) are
-            # never read, either way; one expert's plain GEMMs read every row (their weight gradients sum them).
-            hidden = silu_mul(gate_up, offs[-1:] if len(counts) > 1 else None)
+            # never read, either way; one expert's plain GEMMs read every row (their weight gradients sum them). Rows
+            # without padding keep the compiled forward and the unbounded backward (faster at Qwen3's width: the
+            # bounded backward took 0.137 against 0.093 ms a call on one H200, bench/swiglu_bench.py, 26th session).
+            hidden = silu_mul(gate_up, offs[-1:] if padded and len(counts) > 1 else None)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)
         else:

@@ -92,23 +92,24 @@ class ExpertParallelExperts(ExpertWeights):
         return (self.weight_grads_in_gemm and torch.is_grad_enabled() and not isinstance(self, FSDPModule)
                 and self.gate_up_proj.requires_grad and self.down_proj.requires_grad and self.local.uses_grouped_gemms(x, counts))
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, counts_host: list[int] | None = None,
+                padded: bool = False) -> torch.Tensor:
         """Run the local experts on rows of ``x`` already grouped by local expert (``LocalExperts``; ``counts_host``,
-        ``counts`` as a list, spares the per-expert loop a host sync)."""
+        ``counts`` as a list, spares the per-expert loop a host sync; ``padded``: rows past the counts' sum follow)."""
         adapters = self._local_weights(x.dtype, self.lora.tensors()) if self.lora is not None else ()
         if self.owns_weight_grads(x, counts):
             weights, grads_into = self._weights_grads_into(x)
         else:
             weights, grads_into = self._local_weights(x.dtype), None
         return self.local(x, counts, weights, counts_host, fuse=self.fuse_elementwise(x), lora=self.lora, adapters=adapters,
-                          grads_into=grads_into)
+                          grads_into=grads_into, padded=padded)
 
     def compute_valid_rows(self, x: torch.Tensor, counts: torch.Tensor, counts_host: None = None) -> torch.Tensor:
         """``compute`` for ``static_exchange``: the first ``counts.sum()`` rows of ``x`` exact, the padding after them
         anything. The grouped GEMM stops at its last offset by itself; the per-expert loop splits all rows by the counts,
         so it reads them on the host (free on CPU, one sync on a GPU), runs on the valid rows and pads with zeros."""
         if not self.local.loops(x):
-            return self.compute(x, counts)
+            return self.compute(x, counts, padded=True)
         counts_host = counts.tolist()
         valid = sum(counts_host)
         return F.pad(self.compute(x[:valid], counts, counts_host), (0, 0, 0, x.shape[0] - valid))

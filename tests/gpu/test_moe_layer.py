@@ -52,6 +52,29 @@ def host_sync_at_ep1() -> str:
     return host_sync_error(lambda: experts(x, top_i, top_w).float().square().sum().backward())
 
 
+def swiglu_bounds() -> dict:
+    """Which calls bound the SwiGLU by the valid rows: the static exchange's compute (padding after the rows) does, the
+    exact one (no padding: the compiled forward and the unbounded backward, faster there) does not."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe import experts as experts_module
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+
+    experts = ExpertParallelExperts(8, SimpleNamespace(ep_size=1), "silu", transposed=True)
+    shapes = [(8, 512, 1024), (8, 512, 512)]
+    experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes))
+    counts = torch.full((8,), 100, device="cuda")
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)  # 800 rows of the experts, 200 of padding
+    seen, real = [], experts_module.silu_mul
+    experts_module.silu_mul = lambda gate_up, valid=None: (seen.append(None if valid is None else int(valid)), real(gate_up, valid))[1]
+    try:
+        exact = experts.compute(x[:800], counts)
+        static = experts.compute_valid_rows(x, counts)
+    finally:
+        experts_module.silu_mul = real
+    return {"swiglu_bounds": {"seen": seen, "rel": rel(static[:800], exact)}}
+
+
 def measure(rank, world):
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -94,6 +117,7 @@ def measure(rank, world):
     found["host_sync"] = host_sync_at_ep1()
     found.update(gpt_oss_pieces())
     found.update(silu_mul_pieces())
+    found.update(swiglu_bounds())
     found["grads_into"] = grads_into_vs_autograd(models["eager"], ids)
     return found
 
@@ -265,6 +289,13 @@ def test_the_swiglu_backward_kernel_is_as_close_to_float64_as_the_compiled_one(f
     assert silu["forward_equal"] and silu["bounded_forward_equal"] and silu["bounded_backward_equal"], silu
     assert silu["backward_vs_compiled"] <= 2**-8 and silu["backward_differing"] <= 0.01, silu
     assert silu["backward_vs_truth"] <= 1.05 * silu["compiled_backward_vs_truth"], silu
+
+
+def test_only_the_static_exchanges_padded_rows_bound_the_swiglu(found):
+    """The exact exchange's rows (no padding) run the SwiGLU unbounded, the static exchange's bounded by their count,
+    and the bounded rows give the exact ones' output (to a bf16 rounding: the grouped GEMMs see other row counts)."""
+    bounds = found["swiglu_bounds"]
+    assert bounds["seen"] == [None, 800] and bounds["rel"] <= 2**-7, bounds
 
 
 def test_bf16_is_as_close_to_fp32_as_transformers_bf16(found):
