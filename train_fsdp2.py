@@ -203,6 +203,7 @@ from megablocks_utils.parallel.parallelize import (  # noqa: E402
     parallelize,
     set_gradient_sync,
 )
+from megablocks_utils.parallel.embedding_rows import TouchedRows  # noqa: E402
 from megablocks_utils.parallel.replicated_grads import ReplicatedGradSync  # noqa: E402
 from megablocks_utils.train.checkpoint import (  # noqa: E402
     checkpoint_step,
@@ -439,6 +440,12 @@ graphs = MicroStepGraphs(model, device, announce=progress.write if master else N
 segments = SegmentGraphs(model, announce=progress.write if master else None) if use_segments else None
 # Dense weights whole on every rank: their gradients averaged during the last micro-step's backward (not inside a graph)
 replicated = ReplicatedGradSync(model.parameters(), world_group) if fsdp_wrap == "none" and graphs is None else None
+# Under the graphs they are averaged after them, the input embedding's over the rows the step's tokens touched only
+touched = (TouchedRows.for_model(model, per_device_train_batch_size * max_length, gradient_accumulation_steps, world_size)
+           if fsdp_wrap == "none" and graphs is not None else None)
+if touched is not None and master:
+    progress.write(f"input embedding: its gradient averaged over the rows a step's tokens touch (at most {touched.capacity} "
+                   f"of {touched.marks.numel()})")
 # Under graphs a static exchange's overflow is not checked per micro-step but once a step (moe/exchange_mode.py)
 defer_overflow = graphs is not None and exchange_mode(model) is not None
 
@@ -453,6 +460,8 @@ def micro_steps(step_loss, micro_batches, replay: bool) -> None:
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
                         document_multiple=DOCUMENT_MULTIPLE if graphs or segments else 1)
+        if touched is not None:
+            touched.add(batch["input_ids"])
         if replay:
             graphs.micro_step(step_loss, batch, steps_done=step - start_step, first=i == 0)
         else:
@@ -484,7 +493,7 @@ for step in range(start_step, total_steps):
     if replicated is not None:  # the last backward's all-reduces waited for, the averages written back
         replicated.finish()
     elif fsdp_wrap == "none":  # under whole-micro-step graphs: dense gradients averaged here, once a step
-        average_replicated_grads(model.parameters(), world_group)
+        average_replicated_grads(model.parameters(), world_group, touched)
     # The true global norm over both meshes (logged as it is, before clipping) and the factor that clips it
     # (megablocks_utils/parallel/grads.py), applied by clipped_step below.
     grad_norm, clip_coef = grad_norm_and_clip_coef(model.parameters(), max_grad_norm)

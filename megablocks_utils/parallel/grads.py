@@ -52,13 +52,19 @@ def _all_reduce_flat(grads: list[torch.Tensor], groups, dtype: torch.dtype | Non
         g.copy_(reduced.view_as(g))
 
 
-def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
+def average_replicated_grads(parameters, group: dist.ProcessGroup | None = None, touched=None) -> None:
     """Average the gradients of weights every rank holds whole (plain tensors, not DTensors: the dense weights with
     ``fsdp_wrap`` "none") over ``group`` (all ranks), once a step after the last micro-step: what FSDP's reduce does
     for them otherwise (each rank's loss is world_size x its share of the global mean). Summed in fp32 whatever the
-    gradients' dtype, as FSDP reduces, a bucket of up to ``REPLICATED_BUCKET`` elements per collective. Collective."""
+    gradients' dtype, as FSDP reduces, a bucket of up to ``REPLICATED_BUCKET`` elements per collective. ``touched``
+    (``embedding_rows.TouchedRows``): the input embedding's gradient over the rows the step's tokens touched only.
+    Collective."""
     world_size = dist.get_world_size(group)
-    grads = [p.grad for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
+    skip = None
+    if touched is not None and world_size > 1:
+        touched.average(group, world_size)
+        skip = touched.weight
+    grads = [p.grad for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor) and p is not skip]
     if world_size == 1 or not grads:
         return
     bucket, size = [], 0

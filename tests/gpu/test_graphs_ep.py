@@ -18,6 +18,7 @@ train_fsdp2.py on the tiny model, bf16, --optim adamw_bf16, packed rows (varlen)
 Each within the bf16 bound of test_train_parity.py (2e-3).
 """
 
+import os
 import re
 
 import pytest
@@ -30,7 +31,27 @@ COMMON = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_
 
 
 @pytest.fixture(scope="module")
-def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
+def wide_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model with 8192 vocabulary rows (its tokenizer's 512 ids among them): a step's 4096 ids (2 ranks x 2
+    micro-steps x 4 rows of 256) can touch at most half of the table, so the graphs average the input embedding's
+    gradient over the touched rows (parallel/embedding_rows.py)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("wide") / "tiny-wide")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.resize_token_embeddings(8192)
+    model.save_pretrained(path)
+    for name in os.listdir(tiny_model_dir):  # the tokenizer and chat template
+        if not (name.endswith(".safetensors") or name in ("model.safetensors.index.json", "config.json")):
+            shutil.copy(os.path.join(tiny_model_dir, name), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ep_graph_runs(tiny_model_dir, wide_model_dir, tmp_path_factory) -> dict:
+    wide = ("--model_name_or_path", wide_model_dir, "--ep_capacity_factor", "1.25", "--fsdp_wrap", "none")
     runs = {
         "graphs": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "true"),
         "eager": ("--ep_capacity_factor", "1.25", "--fsdp_wrap", "none", "--cuda_graphs", "false"),
@@ -39,6 +60,8 @@ def ep_graph_runs(tiny_model_dir, tmp_path_factory) -> dict:
         "segments": ("--cuda_graphs", "segments"),  # fsdp_wrap auto resolves to none for them
         "defaults": (),  # ep_capacity_factor auto: 2 with whole micro-steps as graphs
         "exact_fsdp": ("--cuda_graphs", "false"),  # fsdp_wrap auto: FSDP's whole-model unit
+        "wide_graphs": (*wide, "--cuda_graphs", "true"),  # the model named last wins
+        "wide_eager": (*wide, "--cuda_graphs", "false"),
     }
     root = tmp_path_factory.mktemp("ep_graphs")
     out = {name: str(root / name) for name in runs}
@@ -57,6 +80,21 @@ def test_graphed_ep2_steps_equal_eager_ones(ep_graph_runs):
     assert worst_relative(graphed, eager, "loss") <= 2e-3
     assert graphed[-1]["loss"] < graphed[0]["loss"]
     assert all(r["exchange_reruns"] >= 0 for r in graphed)
+
+
+def test_the_embedding_averaged_over_its_touched_rows_trains_as_every_row(ep_graph_runs):
+    """Under the graphs the input embedding's gradient is averaged over the rows the step's tokens touched; the eager
+    run averages every row during the backward (parallel/replicated_grads.py): the same training."""
+    graphed, log = ep_graph_runs["wide_graphs"]
+    assert "input embedding: its gradient averaged over the rows a step's tokens touch (at most 4096 of 8192)" in log
+    assert "cuda_graphs: captured the first micro-step" in log
+    eager, eager_log = ep_graph_runs["wide_eager"]
+    assert "input embedding" not in eager_log
+    assert len(graphed) == len(eager) == 8
+    assert worst_relative(graphed, eager, "loss") <= 2e-3
+    # Step 3, the first replayed, from the same weights as the eager run's: an embedding row left unaveraged or
+    # averaged twice moves the norm (CPU: tests/test_embedding_rows.py checks the average to the bit)
+    assert abs(graphed[2]["grad_norm"] / eager[2]["grad_norm"] - 1) <= 1e-2
 
 
 def test_an_overflow_under_graphs_reruns_the_step_on_the_exact_exchange(ep_graph_runs):
