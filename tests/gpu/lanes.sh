@@ -4,7 +4,7 @@
 # (the other 2-GPU tests), lanes c and d one GPU each (1-GPU tests), lane e GPUs 0-1 (the graphed ep 2 runs,
 # ~100 s: lane a's 285 s left too little of a lane's time for them); the tiny models share GPUs easily.
 # No timing is measured here. From the repo root: bash tests/gpu/lanes.sh [OUT_DIR]. Each lane's log lands in OUT_DIR;
-# exit status non-zero if any lane failed. On one GPU: python -m pytest -q tests/gpu.
+# exit status non-zero if any lane failed. One GPU: the same five processes, all on it (or python -m pytest -q tests/gpu).
 source bench/device_env.sh || exit 1
 OUT_DIR=${1:-/tmp/gpu_lanes}; mkdir -p "$OUT_DIR"; G=tests/gpu; T0=$(date +%s)
 found=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
@@ -13,7 +13,10 @@ found=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 OPTIM=$G/test_optimizers.py OPTIM_A= OPTIM_B=
 if [ "$found" -ge 4 ]; then ALL=0,1,2,3 PAIR=2,3 ONE=0 OTHER=1 OPTIM_B=$OPTIM
 elif [ "$found" -eq 2 ]; then ALL=0,1 PAIR=0,1 ONE=0 OTHER=1 OPTIM_A=$OPTIM
-else echo "lanes.sh needs 2 or 4+ GPUs, found $found: run python -m pytest -q tests/gpu"; exit 2; fi
+# One GPU: every lane on it (the 2- and 4-GPU tests skip); not yet run so: five processes of another split took 122 s
+# where two took 320 (one H200, 27th session, bench/results/session27/README.md call H)
+elif [ "$found" -eq 1 ]; then ALL=0 PAIR=0 ONE=0 OTHER=0 OPTIM_A=$OPTIM
+else echo "lanes.sh found no GPU"; exit 2; fi
 lane() {
   local name=$1 visible=$2; shift 2
   CUDA_VISIBLE_DEVICES=$visible timeout "${LANE_S:-570}" python -m pytest -q -rfEs --durations=8 -p no:cacheprovider "$@" \
