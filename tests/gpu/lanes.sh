@@ -11,11 +11,11 @@ found=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 # Which GPUs each lane sees: four or more GPUs as above; on two, every 2-GPU lane sees both, and test_optimizers moves
 # from lane b (442 s on 4 x H200, the longest) to lane a, whose 4-GPU tests skip there.
 OPTIM=$G/test_optimizers.py OPTIM_A= OPTIM_B=
-if [ "$found" -ge 4 ]; then ALL=0,1,2,3 PAIR=2,3 ONE=0 OTHER=1 OPTIM_B=$OPTIM
-elif [ "$found" -eq 2 ]; then ALL=0,1 PAIR=0,1 ONE=0 OTHER=1 OPTIM_A=$OPTIM
+if [ "$found" -ge 4 ]; then ALL=0,1,2,3 PAIR=2,3 FIRST_PAIR=0,1 ONE=0 OTHER=1 OPTIM_B=$OPTIM
+elif [ "$found" -eq 2 ]; then ALL=0,1 PAIR=0,1 FIRST_PAIR=0,1 ONE=0 OTHER=1 OPTIM_A=$OPTIM
 # One GPU: every lane on it (the 2- and 4-GPU tests skip); not yet run so: five processes of another split took 122 s
 # where two took 320 (one H200, 27th session, bench/results/session27/README.md call H)
-elif [ "$found" -eq 1 ]; then ALL=0 PAIR=0 ONE=0 OTHER=0 OPTIM_A=$OPTIM
+elif [ "$found" -eq 1 ]; then ALL=0 PAIR=0 FIRST_PAIR=0 ONE=0 OTHER=0 OPTIM_A=$OPTIM
 else echo "lanes.sh found no GPU"; exit 2; fi
 lane() {
   local name=$1 visible=$2; shift 2
@@ -29,7 +29,7 @@ lane a $ALL $G/test_four_gpus.py $G/test_train_parity.py $G/test_step_no_sync.py
 lane b $PAIR $G/test_activation_checkpointing.py $OPTIM_B $G/test_fsdp1_vs_fsdp2.py & b=$!
 lane c $ONE $G/test_memory_estimate.py $G/test_packed_rows.py $G/test_grad_norm.py $G/test_gather_kernels.py $G/test_megablocks.py & c=$!
 lane d $OTHER $G/test_cuda_graphs.py $G/test_moe_layer.py $G/test_chunked_loss.py $G/test_gpt_oss_layer.py $G/test_adamw_bf16_kernel.py & d=$!
-lane e 0,1 $G/test_graphs_ep.py $G/test_pull_exchange.py & e=$!
+lane e $FIRST_PAIR $G/test_graphs_ep.py $G/test_pull_exchange.py & e=$!
 status=0
 for pid in $a $b $c $d $e; do wait $pid || status=1; done
 grep -h "^FAILED\|^ERROR" "$OUT_DIR"/*.log
