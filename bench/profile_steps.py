@@ -2,6 +2,10 @@
 
     python bench/profile_steps.py --shape qwen3_30b_a3b --layers 12 [--data synthetic|chat] [--wait 6 --active 3] [--ep N]
     python bench/profile_steps.py --compare ep1.jsonl ep4.jsonl   # earlier runs' kernels side by side, by part
+    python bench/profile_steps.py --shape mixtral --layers 32 --ep 4 --wait 2 --active 2 --shard_experts true \
+        --activation_checkpointing full --activation_checkpointing_layers 16   # full Mixtral as bench/run.py full_size's ours_part
+
+Any argument this script does not know goes to train_fsdp2.py, after the bench's own settings (so it wins).
 
 Writes the random-weight checkpoint of ``--shape`` (bench/real_data.py's), then runs train_fsdp2.py at its
 defaults on one GPU (``--ep N``: on N GPUs at ep_size N, each rank its own rows, as bench/real_data.py --ep) under
@@ -389,7 +393,7 @@ def render(record: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)  # any argument it does not know goes to train_fsdp2.py whole
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--data", choices=("synthetic", "chat"), default="synthetic")
@@ -427,27 +431,37 @@ def main() -> None:
         parse_routing(args.routing)
     except ValueError as e:
         p.error(str(e))
-    from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ, data_file, write_checkpoint
+    from real_data import data_file, write_checkpoint
 
     args.dir = args.dir or f"/tmp/{args.shape}-L{args.layers}{'-shrunk' if args.shrink else ''}"
     os.makedirs(args.work, exist_ok=True)
     write_checkpoint(args.dir, args.shape, args.layers, args.shrink)
-    steps = args.wait + 1 + args.active + 2  # one more than profiled: the run stops itself after the profile
-    data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, steps * args.ep)
-    out_dir = os.path.join(args.work, "run")
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", os.path.abspath(__file__), "--inner",
-               "--ep", str(args.ep),
-               "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--routing", args.routing, "--wait", str(args.wait),
-               "--active", str(args.active), "--top", str(args.top), "--out", args.out, *(["--trace", args.trace] if args.trace else []),
-               *(["--phases"] if args.phases else []), *(["--layer_marks"] if args.layer_marks else []),
-               *(["--sync_debug"] if args.sync_debug else []), *(["--host_profile"] if args.host_profile else []),
-               # train_fsdp2.py's settings: its defaults, the bench batch of bench/real_data.py
-               "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", out_dir, "--overwrite_output_dir", "true",
-               "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),
-               "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5",
-               "--max_steps", str(steps), "--cuda_graphs", args.cuda_graphs, *(["--ep_size", str(args.ep)] if args.ep > 1 else [])]
-    subprocess.run(command, cwd=ROOT, check=True)
+    data = data_file("ours_synthetic" if args.data == "synthetic" else "ours_chat", args.work, args.dir, run_steps(args) * args.ep)
+    subprocess.run(launch_command(args, data, script_args), cwd=ROOT, check=True)
 
+
+def launch_command(args, data: str, script_args: list[str]) -> list[str]:
+    """torchrun over this file's inner side: train_fsdp2.py at its defaults with the bench batch, then ``script_args``
+    (any argument this script does not know, e.g. full Mixtral's ``--activation_checkpointing full``), which win."""
+    from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ
+
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ep}", os.path.abspath(__file__), "--inner",
+            "--ep", str(args.ep), "--shape", args.shape, "--layers", str(args.layers), "--data", args.data, "--routing", args.routing,
+            "--wait", str(args.wait), "--active", str(args.active), "--top", str(args.top), "--out", args.out,
+            *(["--trace", args.trace] if args.trace else []), *(["--phases"] if args.phases else []),
+            *(["--layer_marks"] if args.layer_marks else []), *(["--sync_debug"] if args.sync_debug else []),
+            *(["--host_profile"] if args.host_profile else []),
+            # train_fsdp2.py's settings: its defaults, the bench batch of bench/real_data.py
+            "--model_name_or_path", args.dir, "--data_path", data, "--output_dir", os.path.join(args.work, "run"),
+            "--overwrite_output_dir", "true", "--max_length", str(SEQ), "--per_device_train_batch_size", str(MICRO_BATCH),
+            "--gradient_accumulation_steps", str(GRAD_ACCUM), "--optim", "adamw_bf16", "--learning_rate", "1e-5",
+            "--max_steps", str(run_steps(args)), "--cuda_graphs", args.cuda_graphs,
+            *(["--ep_size", str(args.ep)] if args.ep > 1 else []), *script_args]
+
+
+def run_steps(args) -> int:
+    """Optimizer steps the run is given: one more than profiled, as the run stops itself after the profile."""
+    return args.wait + 1 + args.active + 2
 
 if __name__ == "__main__":
     main()

@@ -47,3 +47,16 @@ def test_compare_prints_one_column_a_file_with_the_walls():
     assert lines[0] == ("| part (GPU ms a step, mean of the ranks) | 1 GPU, synthetic | ep 4, own routing, synthetic | "
                         "ep 4, balanced routing, synthetic |")
     assert "| wall | 347.7 | 431.2 | 386.9 |" in lines  # the profiled steps' walls: 348, 431, 387 ms (the reports)
+
+
+def test_arguments_it_does_not_know_reach_train_fsdp2_after_the_bench_settings_so_they_win():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(ep=4, shape="mixtral", layers=32, data="synthetic", routing="own", wait=2, active=2, top=40, out="o.jsonl",
+                           trace="", phases=False, layer_marks=False, sync_debug=False, host_profile=False, dir="/ckpt", work="/w",
+                           cuda_graphs="false")
+    command = profile_steps.launch_command(args, "d.jsonl", ["--optim", "adamw_torch", "--activation_checkpointing", "full"])
+    optim_values = [command[i + 1] for i, a in enumerate(command) if a == "--optim"]
+    assert optim_values == ["adamw_bf16", "adamw_torch"]  # the bench's default, then the caller's: the last one is taken
+    assert command[-2:] == ["--activation_checkpointing", "full"]
+    assert command[command.index("--max_steps") + 1] == "7" and command[command.index("--ep_size") + 1] == "4"
