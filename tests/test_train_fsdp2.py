@@ -131,6 +131,22 @@ def test_ranks_equal_one_rank(request, tiny_model_dir, small_data, tmp_path, one
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
 
 
+@pytest.mark.slow
+def test_eight_ranks_one_expert_each_equal_one_rank(tiny_model_dir, small_data, tmp_path):
+    """A node's 8 GPUs as users run it: ep 8 over the embedded model's 8 experts (one local expert per rank, its grouped
+    GEMM of one group), each rank its own row, against one rank taking the same 8 rows per micro-step."""
+    runs = {}
+    for nproc, args in ((1, ("--per_device_train_batch_size", "8")), (8, ("--per_device_train_batch_size", "1", "--ep_size", "8"))):
+        runs[nproc] = str(tmp_path / f"n{nproc}")
+        train_fsdp2(nproc, runs[nproc], *standard_args(tiny_model_dir, small_data), *args, "--save_steps", "0")
+    many, one = (read_jsonl(os.path.join(runs[n], "metrics.jsonl")) for n in (8, 1))
+    assert len(many) == len(one) == 4
+    for a, b in zip(many, one):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]
+
+
 def test_chat_jsonl_with_a_parquet_eval_set_trains(tiny_model_dir, tmp_path):
     """The other formats end to end: chat records from JSONL (the embedded model's chat template), the eval
     loss from prompt/completion records in parquet, packing off."""
