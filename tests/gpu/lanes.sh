@@ -13,8 +13,8 @@ found=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 OPTIM=$G/test_optimizers.py OPTIM_A= OPTIM_B=
 if [ "$found" -ge 4 ]; then ALL=0,1,2,3 PAIR=2,3 FIRST_PAIR=0,1 ONE=0 OTHER=1 OPTIM_B=$OPTIM
 elif [ "$found" -eq 2 ]; then ALL=0,1 PAIR=0,1 FIRST_PAIR=0,1 ONE=0 OTHER=1 OPTIM_A=$OPTIM
-# One GPU: every lane on it (the 2- and 4-GPU tests skip); not yet run so: five processes of another split took 122 s
-# where two took 320 (one H200, 27th session, bench/results/session27/README.md call H)
+# One GPU: every lane on it (the 2- and 4-GPU tests skip): 60 passed in 153 s on one H200 (28th session,
+# bench/results/session28/README.md), where two pytest processes took 320 s
 elif [ "$found" -eq 1 ]; then ALL=0 PAIR=0 FIRST_PAIR=0 ONE=0 OTHER=0 OPTIM_A=$OPTIM
 else echo "lanes.sh found no GPU"; exit 2; fi
 lane() {
@@ -22,7 +22,7 @@ lane() {
   CUDA_VISIBLE_DEVICES=$visible timeout "${LANE_S:-570}" python -m pytest -q -rfEs --durations=8 -p no:cacheprovider "$@" \
     > "$OUT_DIR/$name.log" 2>&1
   local rc=$?
-  echo "lane $name (GPUs $visible) rc=$rc after $(( $(date +%s) - T0 )) s: $(grep -E '(passed|failed|error)' "$OUT_DIR/$name.log" | tail -n 1)"
+  echo "lane $name (GPUs $visible) rc=$rc after $(( $(date +%s) - T0 )) s: $(grep -E '(passed|failed|error|skipped)' "$OUT_DIR/$name.log" | tail -n 1)"
   return $rc
 }
 lane a $ALL $G/test_four_gpus.py $G/test_train_parity.py $G/test_step_no_sync.py $OPTIM_A & a=$!
