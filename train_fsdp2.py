@@ -98,9 +98,9 @@ from megablocks_utils.parallel.activation_checkpointing import (
 )
 from megablocks_utils.parallel.mesh import FSDP_UNITS_TEXT, check_dp_replicate, check_ep_size  # noqa: E402
 from megablocks_utils.train.cuda_graph import (  # noqa: E402
-    DOCUMENT_MULTIPLE,
     WARMUP_STEPS,
     MicroStepGraphs,
+    document_multiple,
     graph_blocker,
     resolve_cuda_graphs,
     zero_grads,
@@ -459,7 +459,7 @@ def micro_steps(step_loss, micro_batches, replay: bool) -> None:
             replicated.arm(i == len(micro_batches) - 1)
         # Every row max_length tokens (no recompiles); packed rows keep their documents apart (data.collate).
         batch = collate([dataset[j] for j in indices], tokenizer.pad_token_id, device, max_length, attention,
-                        document_multiple=DOCUMENT_MULTIPLE if graphs or segments else 1)
+                        document_multiple=document_multiple(world_size) if graphs or segments else 1)
         if touched is not None:
             touched.add(batch["input_ids"])
         if replay:

@@ -59,6 +59,15 @@ def test_varlen_boundaries_are_padded_with_empty_documents():
     assert len(varlen_inputs(positions, 5)["cu_seq_lens_q"]) == 6  # 5 documents: already a multiple
 
 
+def test_one_rank_pads_varlen_documents_to_a_few_slots_several_ranks_to_a_count_they_share():
+    from megablocks_utils.train.cuda_graph import document_multiple
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 0, 0, 1, 0]])  # 5 documents
+    slots = {world: len(varlen_inputs(positions, document_multiple(world))["cu_seq_lens_q"]) - 1 for world in (1, 2, 8)}
+    # one rank: 8 slots (the flash kernel's grid grows with them); ranks: 64, whatever each one's count up to 64
+    assert slots == {1: 8, 2: 64, 8: 64}
+
+
 def test_a_graph_keeps_one_copy_of_a_shared_tensor_and_its_signature_ignores_the_batch_numbers():
     ids = torch.arange(8).view(1, 8)
     batch = {"input_ids": ids, "labels": ids + 1, "attention_sq": 64.0,

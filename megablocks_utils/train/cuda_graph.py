@@ -12,11 +12,11 @@ What makes a micro-step capturable, and where that is ensured:
   script when any rank overflowed) and the dense weights whole on every rank (``fsdp_wrap`` "none", their gradients
   averaged after the micro-steps). Every rank must capture and replay the same graphs in the same order (their NCCL
   calls pair up): the signatures below are the same on every rank where shapes are fixed; varlen's document count,
-  padded to a multiple of ``DOCUMENT_MULTIPLE``, could differ between ranks only with more documents than that in a
+  padded to a multiple of ``DOCUMENT_MULTIPLE`` at ep > 1, could differ between ranks only with more documents than that in a
   micro-batch (then one rank captures while another replays: the eager warm-up's collectives still pair, not verified);
 - fixed shapes: every row is max_length tokens and every micro-batch has as many rows (``data.collate``,
   ``GlobalBatches``); varlen's document boundaries come padded with empty documents to a multiple of
-  ``DOCUMENT_MULTIPLE``. A graph is captured for each shape signature, all in one memory pool (their work never
+  ``document_multiple``. A graph is captured for each shape signature, all in one memory pool (their work never
   overlaps; only their small outputs stay reserved);
 - gradients that exist before the capture and stay in place (``MicroStepGraphs.zero_grads`` after the optimizer step):
   the captured backward adds into them (autograd adds into an existing gradient in place; the experts' GEMM adds into
@@ -47,12 +47,21 @@ from megablocks_utils.moe.weight_grad import gradients_written
 
 # Steps run eagerly before any graph is captured (torch.compile compiles there).
 WARMUP_STEPS = 2
-# varlen's document count, padded up to a multiple of this: a graph per multiple (train/cuda_graph.py).
+# varlen's document count, padded up to a multiple of this: a graph per multiple (``document_multiple``).
 DOCUMENT_MULTIPLE = 64
+DOCUMENT_MULTIPLE_ONE_RANK = 8
 # The attention kernels whose forward needs no host sync and no mask object (model/attention.py): with "sdpa" and
 # "eager" transformers builds or checks a mask from the rows on the host, and flex_attention's block mask is not yet
 # tried under a graph.
 CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
+
+
+def document_multiple(world_size: int) -> int:
+    """The multiple varlen's document count is padded to under graphs (``data.collate``), a graph per value. The flash
+    kernel's grid grows with the count, empty documents included: 64 slots for the chat records' ~5 documents a row
+    cost ~17 ms a step on one H200 (Qwen3 shape, 12 layers; bench/results/session28 call D). One rank pads to 8 (a few
+    more graphs); several ranks keep 64, so that every rank's count agrees and their graphs' collectives pair up."""
+    return DOCUMENT_MULTIPLE_ONE_RANK if world_size == 1 else DOCUMENT_MULTIPLE
 
 
 def graph_blocker(*, device_type: str, world_size: int, moe_backend: str, attention: str | None, activation_checkpointing: str,
