@@ -12,8 +12,9 @@ What makes a micro-step capturable, and where that is ensured:
   script when any rank overflowed) and the dense weights whole on every rank (``fsdp_wrap`` "none", their gradients
   averaged after the micro-steps). Every rank must capture and replay the same graphs in the same order (their NCCL
   calls pair up): the signatures below are the same on every rank where shapes are fixed; varlen's document count,
-  padded to a multiple of ``DOCUMENT_MULTIPLE`` at ep > 1, could differ between ranks only with more documents than that in a
-  micro-batch (then one rank captures while another replays: the eager warm-up's collectives still pair, not verified);
+  padded to a multiple of ``DOCUMENT_MULTIPLE`` on several ranks, could differ between ranks only with more documents
+  than that in a micro-batch (then one rank captures while another replays: the eager warm-up's collectives still pair,
+  not verified);
 - fixed shapes: every row is max_length tokens and every micro-batch has as many rows (``data.collate``,
   ``GlobalBatches``); varlen's document boundaries come padded with empty documents to a multiple of
   ``document_multiple``. A graph is captured for each shape signature, all in one memory pool (their work never
