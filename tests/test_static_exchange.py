@@ -88,7 +88,9 @@ HOST_READS = {
     "int": lambda t: int(t[0]),
     "nonzero": lambda t: t.nonzero(),
     "mask_index": lambda t: t[t > 1],
-    "mask_put": lambda t: t.clone().__setitem__(t > 1, 0),
+    # values from a tensor, whose length must be the mask's count (a scalar put is masked_fill_ from torch 2.15 on:
+    # no host read there)
+    "mask_put": lambda t: t.clone().__setitem__(t > 1, torch.tensor([7, 8])),
     "masked_select": lambda t: torch.masked_select(t, t > 1),
     "unique": lambda t: torch.unique(t),
     "bincount": lambda t: torch.bincount(t),

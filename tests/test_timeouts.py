@@ -26,7 +26,7 @@ def check_mesh_groups_time_out(rank, world_size, timeout_s):
     mesh = build_mesh(2, "cpu", timeout=timedelta(seconds=timeout_s))
     dist.barrier()
     if rank == 3:
-        time.sleep(4 * timeout_s)  # stuck: ranks 2 and 3 form an ep group
+        time.sleep(5 * timeout_s)  # stuck: ranks 2 and 3 form an ep group
     start = time.time()
     try:
         dist.all_reduce(torch.ones(1), group=mesh.ep_group)
@@ -35,9 +35,9 @@ def check_mesh_groups_time_out(rank, world_size, timeout_s):
         failed = True
     if rank == 2:
         # Waited the group's own timeout, and failed well before the stuck rank woke. Not within 2x: torch 2.14 and
-        # 2.15 raise gloo's timeout ~2-3 s after it expires (3 s -> 5.2-6.0 s on this CPU; 2.13: 3.0 s).
+        # 2.15 raise gloo's timeout 2-4 s after it expires (3 s -> 5.2-7.3 s here under the suite's load; 2.13: 3.0 s).
         waited = time.time() - start
-        assert failed and timeout_s - 0.5 <= waited < 3 * timeout_s, waited
+        assert failed and timeout_s - 0.5 <= waited < 4 * timeout_s, waited
     elif rank < 2:
         assert not failed
 
