@@ -60,6 +60,7 @@ dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "b
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
 checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
+recompute_swiglu = False  # the experts' SwiGLU output made again in backward, not kept (GPU, SiLU experts, no expert LoRA): 2 x top_k x moe width bytes a token and layer for one element-wise pass; ep 1 only until run above it on GPUs
 fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once, kept through the step: no per-layer hooks on the host, more memory), "none" (ep = world size, --optim adamw_bf16: no FSDP, dense weights whole on every rank, gradients averaged once a step; with ep_capacity_factor > 0 the micro-steps can be CUDA graphs), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
 compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
 cuda_graphs = "auto"  # CUDA graphs after 2 warm-up steps: "auto" (one GPU: each micro-step, where the step allows it), "true" (each micro-step), "segments" (ep = world size > 1: each layer's norms and attention, the MoE part from Python; sets fsdp_wrap auto to none), "false"
@@ -203,6 +204,7 @@ from megablocks_utils.parallel.parallelize import (  # noqa: E402
     parallelize,
     set_gradient_sync,
 )
+from megablocks_utils.parallel.activation_checkpointing import recompute_swiglu_text  # noqa: E402
 from megablocks_utils.parallel.embedding_rows import TouchedRows  # noqa: E402
 from megablocks_utils.parallel.replicated_grads import ReplicatedGradSync  # noqa: E402
 from megablocks_utils.train.checkpoint import (  # noqa: E402
@@ -285,7 +287,8 @@ plan_for = functools.partial(
     per_device_train_batch_size=per_device_train_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
     activation_checkpointing=activation_checkpointing, activation_checkpointing_layers=activation_checkpointing_layers,
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
-    chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts, ep_capacity_factor=ep_capacity_factor)
+    chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts, ep_capacity_factor=ep_capacity_factor,
+    recompute_swiglu=recompute_swiglu)
 # FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
 # (auto's factor needs them whole on every rank: where that does not fit it is dropped and the units chosen without it)
 fsdp_wrap, ep_capacity_factor, wrap_note = resolve_wrap_and_factor(
@@ -346,11 +349,13 @@ if master:
 try:  # fsdp_wrap none with weights FSDP would have cast is refused here (parallelize.check_replicated_dense)
     compiled = parallelize(model, mesh, param_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
                            activation_checkpointing_layers=activation_checkpointing_layers, checkpoint_experts=checkpoint_experts,
-                           compile_dense=compile_dense, fsdp_wrap=fsdp_wrap, device=device)
+                           recompute_swiglu=recompute_swiglu, compile_dense=compile_dense, fsdp_wrap=fsdp_wrap, device=device)
 except ValueError as e:
     fail(e)
 if master and compiled:
     print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
+if master and recompute_swiglu:
+    print(recompute_swiglu_text(model, device.type), flush=True)
 left_out = fsdp_left_out(model, mesh, compute_dtype)
 if master and left_out:
     print(left_out, flush=True)

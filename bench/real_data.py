@@ -42,6 +42,8 @@
                    as by default)
   ours_synthetic_numa, ours_chat_numa  ours_synthetic, ours_chat launched with `torchrun --numa-binding node` (each rank
                    and its threads on the CPUs of its GPU's NUMA node: where the host paces the step, its placement may)
+  ours_synthetic_swiglu_again, ours_chat_swiglu_again  ours_synthetic, ours_chat with --recompute_swiglu true (the
+                   experts' SwiGLU output made again in the backward, not kept: the peak and the step it costs)
   hf_sdpa          transformers' own model on ours_chat's packed rows, sdpa
   hf_flex          the same with flex_attention
 
@@ -124,7 +126,7 @@ SHRINK_MLA = dict(hidden_size=256, intermediate_size=64, moe_intermediate_size=3
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # q/k heads 24 wide, v 16: as at full size
 RUNS = ["ours_synthetic", "ours_alpaca", "ours_chat", "ours_chat_flex", "ours_chat_varlen", "ours_chat_sdpa", "ours_chat_expandable",
         "ours_synthetic_full_logits", "ours_chat_full_logits", "ours_synthetic_layer_wrap", "ours_chat_layer_wrap", "ours_synthetic_static",
-        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "ours_synthetic_graphs_placed", "ours_chat_graphs_placed", "ours_synthetic_numa", "ours_chat_numa", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
+        "ours_chat_static", "ours_synthetic_graphs", "ours_chat_graphs", "ours_synthetic_replicated", "ours_chat_replicated", "ours_synthetic_segments", "ours_chat_segments", "ours_synthetic_model_wrap", "ours_chat_model_wrap", "ours_synthetic_placed", "ours_chat_placed", "ours_synthetic_graphs_placed", "ours_chat_graphs_placed", "ours_synthetic_numa", "ours_chat_numa", "ours_synthetic_swiglu_again", "ours_chat_swiglu_again", "hf_synthetic", "hf_synthetic_flex", "hf_sdpa", "hf_flex"]
 STATIC_FACTOR = "1.25"  # the *_static and *_graphs runs' ep_capacity_factor (--static_factor): a peer's mean share and a quarter
 SEQ, MICRO_BATCH, GRAD_ACCUM, SEED = 4096, 1, 4, 42  # SEED: train_fsdp2.py's default, so both sides draw the same rows
 
@@ -217,7 +219,8 @@ def ours(run: str, args, work: str) -> dict:
              "ours_synthetic_graphs": graphs, "ours_chat_graphs": graphs, "ours_synthetic_replicated": ["--fsdp_wrap", "none"],
              "ours_chat_replicated": ["--fsdp_wrap", "none"], "ours_synthetic_segments": ["--cuda_graphs", "segments"],
              "ours_chat_segments": ["--cuda_graphs", "segments"], "ours_synthetic_model_wrap": ["--fsdp_wrap", "model"],
-             "ours_chat_model_wrap": ["--fsdp_wrap", "model"]}.get(run.removesuffix("_placed"), [])
+             "ours_chat_model_wrap": ["--fsdp_wrap", "model"], "ours_synthetic_swiglu_again": ["--recompute_swiglu", "true"],
+             "ours_chat_swiglu_again": ["--recompute_swiglu", "true"]}.get(run.removesuffix("_placed"), [])
     if run.endswith(("_segments", "_model_wrap")) and args.ep == 1:  # one GPU: the defaults (whole micro-steps from graphs)
         extra = []
     model_dir = placed_model(run, args, work) if run.endswith("_placed") else args.dir

@@ -610,3 +610,35 @@ def test_fit_check_offers_checkpoint_experts_where_it_fits_for_less_work():
     assert "the routed experts recomputed" in memory_plan._settings_text(_qwen3_lora_one_gpu(checkpoint_experts=True))
     already = memory_plan.checkpointing_hint(_qwen3_lora_one_gpu(activation_checkpointing="full", checkpoint_experts=True), 100 * GiB)
     assert already is None or "--checkpoint_experts" not in already  # not offered twice
+
+
+def test_recompute_swiglu_drops_swiglus_output_where_the_gpu_makes_it_again(monkeypatch):
+    """recompute_swiglu: each layer that keeps its experts' activations keeps no SwiGLU output (2 x k x I bytes a
+    token, for the busiest rank's rows), where the GPU path makes it again: SiLU experts, several a rank, no LoRA on
+    them, an ep it has run at (moe/experts.py RECOMPUTE_SWIGLU_RAN_AT_EP); elsewhere the estimate is unchanged."""
+    from megablocks_utils.moe import experts
+
+    plan = dict(world_size=1, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    kept, again = (estimate_memory(MIXTRAL_8X7B, recompute_swiglu=r, **plan) for r in (False, True))
+    assert kept.activations - again.activations == 4096 * 32 * memory_plan.EXPERT_LOAD_IMBALANCE * 2 * 2 * 14336
+    # beside full checkpointing on half the layers: only the other half keeps (and drops) it
+    half = [estimate_memory(MIXTRAL_8X7B, recompute_swiglu=r, activation_checkpointing="full", activation_checkpointing_layers=16,
+                            **plan).activations for r in (False, True)]
+    assert half[0] - half[1] == (kept.activations - again.activations) / 2
+    at_ep4 = dict(plan, world_size=4)
+    assert estimate_memory(MIXTRAL_8X7B, recompute_swiglu=True, **at_ep4).total == estimate_memory(MIXTRAL_8X7B, **at_ep4).total
+    monkeypatch.setattr(experts, "RECOMPUTE_SWIGLU_RAN_AT_EP", 4)  # the guard, not the plan, kept it at ep 4
+    assert estimate_memory(MIXTRAL_8X7B, recompute_swiglu=True, **at_ep4).total < estimate_memory(MIXTRAL_8X7B, **at_ep4).total
+    lora = dict(plan, finetuning="lora")  # the default targets adapt the experts: their down adapter reads SwiGLU's output
+    assert estimate_memory(MIXTRAL_8X7B, recompute_swiglu=True, **lora).total == estimate_memory(MIXTRAL_8X7B, **lora).total
+    gpt_oss = tiny_moe_config("gpt_oss")  # clamped SwiGLU: none of our kernels make it again
+    assert (estimate_memory(gpt_oss, recompute_swiglu=True, **plan).total == estimate_memory(gpt_oss, **plan).total)
+
+
+def test_fit_check_offers_recompute_swiglu_first_where_it_fits():
+    plan = dict(world_size=1, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    kept, again = (estimate_memory(QWEN3, recompute_swiglu=r, **plan) for r in (False, True))
+    budget = (kept.total + again.total) / 2
+    message = fit_error(kept, budget)
+    assert "Settings that fit: --recompute_swiglu true (" in message, message
+    assert fit_error(again, budget) is None

@@ -35,8 +35,10 @@ def test_two_ranks_learn_log_and_export(tiny_model_dir, tmp_path):
     result = train(tiny_model_dir, out, 2, "--max_steps", "24", "--activation_checkpointing",
                    "--report_to", "tensorboard", "--peak_tflops", "1",
                    "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr_rate", "0.1", "--warmup_ratio", "0.1",
-                   "--eval_split", str(EVAL_SPLIT), "--eval_steps", "12")
+                   "--eval_split", str(EVAL_SPLIT), "--eval_steps", "12", "--recompute_swiglu", "true")
     assert "summary: train_runtime=" in result.stdout
+    # the setting reaches the layers, which say what it does here (tests/test_silu_mul_down.py: what it does on GPUs)
+    assert "recompute_swiglu: nothing to make again on CPU" in result.stdout
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 25))
     for r in records:

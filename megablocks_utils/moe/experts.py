@@ -32,11 +32,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(gate_up, valid)
-        if valid is None:
-            return fused(_silu_mul)(gate_up)
-        from megablocks_utils.moe.swiglu_kernel import silu_mul_forward  # Triton: imported where a GPU runs it
-
-        return silu_mul_forward(gate_up, valid)
+        return _silu_mul_forward(gate_up, valid)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -50,6 +46,56 @@ def silu_mul(gate_up: torch.Tensor, valid: torch.Tensor | None = None) -> torch.
     """SwiGLU on the fused [rows, 2I] projection as one kernel each way (CUDA; ``compile_elementwise``). ``valid``: the
     rows the GEMMs around it cover (a device int); the rows past it (activations and gradients) are left unwritten."""
     return _SiluMul.apply(gate_up, valid)
+
+
+class _SiluMulDown(torch.autograd.Function):
+    """SwiGLU, then the down projection, saving gate_up only: the backward makes SwiGLU's output again (the forward's
+    own kernel, so the same bits) instead of keeping it for the down GEMM's weight gradient. That output is
+    2 x k x I bytes a token and layer (Mixtral-8x7B: 57 KB, ~7 GiB a 4,096-token micro-batch over 32 layers); making it
+    again is one element-wise pass over gate_up (~1% of a step on one H200: bench/results/session29, call K).
+    ``w_down`` as stored ([E, H, I], used as ``h @ w_e^T`` with ``transpose_weight``; or [E, I, H]); ``into``: where its
+    gradient goes (``weight_grad.WeightGradInto``), or None: returned to autograd."""
+
+    @staticmethod
+    def forward(ctx, gate_up, w_down, offs, valid, into, transpose_weight):
+        ctx.save_for_backward(gate_up, w_down, offs, valid)
+        ctx.into, ctx.transpose_weight = into, transpose_weight
+        hidden = _silu_mul_forward(gate_up, valid)
+        return grouped_mm(hidden, w_down.transpose(-2, -1) if transpose_weight else w_down, offs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from megablocks_utils.moe.swiglu_kernel import silu_mul_backward  # Triton: imported where a GPU runs it
+
+        gate_up, w_down, offs, valid = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        hidden = _silu_mul_forward(gate_up, valid)
+        grad_hidden = grouped_mm(grad_out, w_down if ctx.transpose_weight else w_down.transpose(-2, -1), offs)
+        a, b = (grad_out, hidden) if ctx.transpose_weight else (hidden, grad_out)  # w_e's gradient: a_e^T @ b_e
+        grad_w = None
+        if ctx.into is not None:
+            ctx.into.add(a, b, offs)
+        elif ctx.needs_input_grad[1]:
+            grad_w = grouped_mm(a.t(), b, offs)
+        del hidden
+        grad_gate_up = silu_mul_backward(gate_up, grad_hidden, valid) if ctx.needs_input_grad[0] else None
+        return grad_gate_up, grad_w, None, None, None, None
+
+
+def _silu_mul_forward(gate_up: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``_SiluMul``'s forward: compiled, or our Triton kernel over the rows below ``valid``."""
+    if valid is None:
+        return fused(_silu_mul)(gate_up)
+    from megablocks_utils.moe.swiglu_kernel import silu_mul_forward  # Triton: imported where a GPU runs it
+
+    return silu_mul_forward(gate_up, valid)
+
+
+def silu_mul_down(gate_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor, valid: torch.Tensor | None,
+                  into: WeightGradInto | None, transpose_weight: bool) -> torch.Tensor:
+    """``grouped_mm(silu_mul(gate_up, valid), w_down)`` (``w_down`` as stored, see ``_SiluMulDown``) without keeping
+    SwiGLU's output for the backward (the layer's ``recompute_swiglu``). CUDA grouped GEMMs."""
+    return _SiluMulDown.apply(gate_up, w_down, offs, valid, into, transpose_weight)
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -89,6 +135,17 @@ def add_expert_bias(rows: torch.Tensor, one_hot: torch.Tensor, bias: torch.Tenso
     return torch.addmm(rows, one_hot, bias)
 
 
+# The largest ep at which the layers' ``recompute_swiglu`` has run on GPUs (tests/gpu, one H200): above it the setting
+# stays off and the run says so (parallel/activation_checkpointing.py). Raise it where tests/gpu has passed with it.
+RECOMPUTE_SWIGLU_RAN_AT_EP = 1
+
+
+def makes_swiglu_again(local: "LocalExperts", fuse: bool, local_experts: int, adapters: bool) -> bool:
+    """Whether ``recompute_swiglu`` applies: SiLU * up as our kernels (``fuse``, CUDA), several local experts (one takes
+    plain GEMMs) and no LoRA on the experts (its down adapter reads SwiGLU's output, so that is kept)."""
+    return fuse and local.is_silu and local_experts > 1 and not adapters
+
+
 class LocalExperts:
     """How this rank's experts compute: [rows, H] grouped by expert -> [rows, H].
 
@@ -126,7 +183,7 @@ class LocalExperts:
     def __call__(
         self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], counts_host: list[int] | None = None, *,
         fuse: bool = False, lora=None, adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None,
-        padded: bool = False,
+        padded: bool = False, recompute_swiglu: bool = False,
     ) -> torch.Tensor:
         """``counts`` rows of ``x`` per local expert through their experts. ``counts_host`` (``counts`` as a list)
         is needed only by the per-expert loop; without it the loop reads ``counts`` itself, a host sync that the
@@ -135,9 +192,10 @@ class LocalExperts:
         added after each projection. ``grads_into`` (only where ``uses_grouped_gemms``): gate_up's and down's gradients
         added by the GEMMs' backward into their parameters (``weight_grad.py``), whose weights then come without
         autograd edge. ``padded``: rows past the counts' sum follow (the static exchange's), which the grouped path's
-        SwiGLU then leaves alone."""
+        SwiGLU then leaves alone. ``recompute_swiglu``: the backward makes SwiGLU's output again rather than keep it
+        (``silu_mul_down``), where it applies (``makes_swiglu_again``)."""
         if not self.loops(x):
-            return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into, padded)
+            return self.grouped(x, counts, weights, fuse, lora, adapters, grads_into, padded, recompute_swiglu)
         if grads_into is not None:
             raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms)")
         return self.loop(x, counts.tolist() if counts_host is None else counts_host, weights, lora, adapters)
@@ -161,7 +219,7 @@ class LocalExperts:
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...], fuse: bool, lora=None,
                 adapters: tuple[torch.Tensor, ...] = (), grads_into: tuple[WeightGradInto, ...] | None = None,
-                padded: bool = False) -> torch.Tensor:
+                padded: bool = False, recompute_swiglu: bool = False) -> torch.Tensor:
         """All local experts in one grouped GEMM per projection; ``counts`` stays on the device (no host sync)."""
         has_bias = len(weights) == 4
         w_gate_up, w_down = weights[:2]
@@ -189,12 +247,17 @@ class LocalExperts:
             gate_up = lora.add("gate_up_proj", gate_up, x, adapters, gemm)
         if has_bias:
             gate_up = add_bias(gate_up, weights[2])
+        valid = offs[-1:] if padded and len(counts) > 1 else None
+        if recompute_swiglu and makes_swiglu_again(self, fuse, len(counts), bool(adapters)):
+            out = silu_mul_down(gate_up, weights[1], offs, valid, grads_into[1] if grads_into is not None else None,
+                                not self.transposed)
+            return add_bias(out, weights[3]) if has_bias else out
         if fuse and self.is_silu:
             # The grouped GEMMs stop at their last offset, so the rows past it (the static exchange's padding) are
             # never read, either way; one expert's plain GEMMs read every row (their weight gradients sum them). Rows
             # without padding keep the compiled forward and the unbounded backward (faster at Qwen3's width: the
             # bounded backward took 0.137 against 0.093 ms a call on one H200, bench/swiglu_bench.py, 26th session).
-            hidden = silu_mul(gate_up, offs[-1:] if padded and len(counts) > 1 else None)
+            hidden = silu_mul(gate_up, valid)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)
         else:

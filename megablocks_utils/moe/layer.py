@@ -74,6 +74,7 @@ class ExpertParallelExperts(ExpertWeights):
         self.local = LocalExperts(act_fn, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit, force_loop=force_loop)
         self.overlap_chunks = overlap_chunks
         self.recompute = False  # keep only the inputs; rerun the forward in the backward (checkpoint_experts)
+        self.recompute_swiglu = False  # SwiGLU's output made again in the backward, not kept (recompute_swiglu: experts.silu_mul_down)
         self.exchange_mode = None  # the model's ExchangeMode where ep_capacity_factor > 0 (exchange_mode.py)
 
     def fuse_elementwise(self, t: torch.Tensor) -> bool:
@@ -102,7 +103,7 @@ class ExpertParallelExperts(ExpertWeights):
         else:
             weights, grads_into = self._local_weights(x.dtype), None
         return self.local(x, counts, weights, counts_host, fuse=self.fuse_elementwise(x), lora=self.lora, adapters=adapters,
-                          grads_into=grads_into, padded=padded)
+                          grads_into=grads_into, padded=padded, recompute_swiglu=self.recompute_swiglu)
 
     def compute_valid_rows(self, x: torch.Tensor, counts: torch.Tensor, counts_host: None = None) -> torch.Tensor:
         """``compute`` for ``static_exchange``: the first ``counts.sum()`` rows of ``x`` exact, the padding after them

@@ -146,7 +146,8 @@ def checkpointed_layers(num_layers: int, count: int) -> list[int]:
     return [i for i in range(num_layers) if i * count // num_layers != (i + 1) * count // num_layers]
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1, experts: bool = False) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1, experts: bool = False,
+                                   swiglu: bool = False) -> None:
     """Checkpoint the decoder layers of a transformers model: "none", "full" or "selective", on ``layers``
     of them spread evenly (``checkpointed_layers``; -1: all). The layers left out keep their
     activations and recompute nothing: where memory allows, that buys back speed a layer at a time.
@@ -161,11 +162,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
     ``experts`` (the scripts' ``checkpoint_experts``): in every decoder layer this leaves out (all of them under
     "none"), the routed experts alone are recomputed in the backward (``ExpertParallelExperts.recompute``): their
     activations are most of a layer's, and their forward a small part of its work.
+
+    ``swiglu`` (the scripts' ``recompute_swiglu``): every layer's experts make SwiGLU's output again in the backward
+    rather than keep it (``ExpertParallelExperts.recompute_swiglu``; where it applies: ``experts.makes_swiglu_again``),
+    up to the ep it has run at on GPUs (``experts.RECOMPUTE_SWIGLU_RAN_AT_EP``).
     """
     mode = parse_activation_checkpointing(mode)
     decoder = decoder_layers(model)
     if layers < -1 or layers > len(decoder):
         raise ValueError(f"activation_checkpointing_layers={layers}: give 0..{len(decoder)} decoder layers, or -1 for all")
+    from megablocks_utils.moe.experts import RECOMPUTE_SWIGLU_RAN_AT_EP
     from megablocks_utils.moe.layer import (  # here: the scripts parse the setting before transformers loads
         ExpertParallelExperts,
         ExpertParallelMoE,
@@ -176,6 +182,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
         for module in layer.modules():
             if isinstance(module, ExpertParallelExperts):
                 module.recompute = experts and index not in chosen
+                module.recompute_swiglu = swiglu and module.ep_size <= RECOMPUTE_SWIGLU_RAN_AT_EP
     if not chosen:
         if model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
@@ -207,3 +214,22 @@ class OpCounter(TorchDispatchMode):
 
     def total(self, *packets) -> int:
         return sum(self.counts.get(p, 0) for p in packets)
+
+
+def recompute_swiglu_text(model: nn.Module, device_type: str) -> str:
+    """What ``recompute_swiglu`` does in this run, for the script to print: the MoE layers whose SwiGLU output the
+    backward makes again, or why none (``experts.makes_swiglu_again``)."""
+    from megablocks_utils.moe.experts import RECOMPUTE_SWIGLU_RAN_AT_EP, makes_swiglu_again
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    if device_type != "cuda":
+        return "recompute_swiglu: nothing to make again on CPU (the per-expert loop keeps its activations)"
+    if experts and experts[0].ep_size > RECOMPUTE_SWIGLU_RAN_AT_EP:
+        return (f"recompute_swiglu: off: on GPUs it has run only at ep <= {RECOMPUTE_SWIGLU_RAN_AT_EP} so far, this run has "
+                f"ep {experts[0].ep_size} (moe/experts.py RECOMPUTE_SWIGLU_RAN_AT_EP); SwiGLU's output is kept")
+    applies = [e for e in experts if makes_swiglu_again(e.local, e.compile_elementwise, e.num_local_experts, e.lora is not None)]
+    if not applies:
+        return ("recompute_swiglu: nothing to make again (it needs SiLU experts, compile_elementwise, several experts a "
+                "rank and no LoRA on the experts)")
+    return f"recompute_swiglu: {len(applies)} of {len(experts)} MoE layers make SwiGLU's output again in the backward"

@@ -50,6 +50,7 @@ def parallelize(
     activation_checkpointing: str = "none",
     activation_checkpointing_layers: int = -1,
     checkpoint_experts: bool = False,
+    recompute_swiglu: bool = False,
     compile_dense: bool = False,
     fsdp: bool = True,
     reshard_after_forward: bool = True,
@@ -60,7 +61,7 @@ def parallelize(
 
     ``param_dtype``: FSDP's compute dtype for all-gathered weights (gradients are reduced in fp32).
     ``activation_checkpointing_layers``: how many decoder layers ``activation_checkpointing`` applies to,
-    spread evenly (-1: all).
+    spread evenly (-1: all). ``recompute_swiglu``: the experts make SwiGLU's output again in the backward.
     ``fsdp_wrap``: the FSDP units of the dense weights (``mesh.FSDP_WRAPS``).
     ``fsdp=False`` stops after compile (train_fsdp1.py: accelerate applies FSDP1 itself). FSDP leaves out what
     it would have nothing to do for: the whole model on one rank with ``param_dtype`` weights (``needs_fsdp``),
@@ -69,7 +70,8 @@ def parallelize(
     """
     if not moe_blocks(model):  # 1. a plain transformers model: slice each rank's experts out of it
         shard_moe(model, mesh, device=device)
-    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_layers, checkpoint_experts)  # 2.
+    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_layers, checkpoint_experts,  # 2.
+                                   recompute_swiglu)
     compiled = 0
     if compile_dense and mesh.device_type == "cuda":  # 3.
         compiled = compile_dense_parts(model)

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked_loss", default=str(DEFAULTS["chunked_loss"]).lower(), help="true or false: the loss over chunks of rows")
     parser.add_argument("--checkpoint_experts", default=str(DEFAULTS["checkpoint_experts"]).lower(),
                         help="true or false: recompute the routed experts of the layers not checkpointed")
+    parser.add_argument("--recompute_swiglu", default=str(DEFAULTS["recompute_swiglu"]).lower(),
+                        help="true or false: the experts' SwiGLU output made again in the backward, not kept")
     parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=FSDP_WRAP_SETTINGS,
                         help="FSDP units of the dense weights: each decoder layer, the whole model at once, or auto (train_fsdp2.py's rule)")
     parser.add_argument("--ep_capacity_factor", type=float, default=DEFAULTS["ep_capacity_factor"],
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--chunked_loss expects true or false, got {args.chunked_loss!r}")
     if checkpoint_experts is None:
         parser.error(f"--checkpoint_experts expects true or false, got {args.checkpoint_experts!r}")
+    recompute_swiglu = parse_bool(args.recompute_swiglu)
+    if recompute_swiglu is None:
+        parser.error(f"--recompute_swiglu expects true or false, got {args.recompute_swiglu!r}")
     try:
         plan_for = functools.partial(
             estimate_memory,
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_target_modules=args.lora_target_modules,
             chunked_loss=chunked_loss,
             checkpoint_experts=checkpoint_experts,
+            recompute_swiglu=recompute_swiglu,
         )
         ep = plan_for(fsdp_wrap="layer", ep_capacity_factor=0.0).ep  # --ep_size resolved (0: all ranks) and checked
         wrap, factor, note = plan_as_the_script(

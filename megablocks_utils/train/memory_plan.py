@@ -119,6 +119,7 @@ DEFAULTS = dict(
     lora_target_modules=DEFAULT_TARGETS,
     chunked_loss=True,
     checkpoint_experts=False,
+    recompute_swiglu=False,
     fsdp_wrap="auto",
     ep_capacity_factor=-1.0,  # auto (train/auto_exchange.py): the tool resolves it as train_fsdp2.py does
     cuda_graphs="auto",
@@ -280,12 +281,14 @@ def count_params(config) -> ParamCounts:
 
 
 # ----------------------------------------------------------------------------- activations
-def _expert_activation_bytes(s: _Shape, received: float = EXPERT_LOAD_IMBALANCE) -> float:
+def _expert_activation_bytes(s: _Shape, received: float = EXPERT_LOAD_IMBALANCE, swiglu_kept: bool = True) -> float:
     """Bytes per token a MoE layer's routed experts save for their backward: the k routed copies of the input, gate_up's
-    output, the SwiGLU output, and the k outputs the weighted sum keeps (what ``checkpoint_experts`` recomputes).
-    ``received``: the rows the busiest rank's experts hold, over the mean (``received_rows``)."""
+    output, the SwiGLU output (unless made again: ``recompute_swiglu``), and the k outputs the weighted sum keeps (what
+    ``checkpoint_experts`` recomputes). ``received``: the rows the busiest rank's experts hold, over the mean
+    (``received_rows``)."""
     h, k = s.hidden, s.top_k
-    rows_in, gate_up, swiglu = ACT * k * h, ACT * k * 2 * s.expert_inter, ACT * k * s.expert_inter
+    rows_in, gate_up = ACT * k * h, ACT * k * 2 * s.expert_inter
+    swiglu = ACT * k * s.expert_inter if swiglu_kept else 0
     back_home = ACT * k * h  # expert outputs returned by the all-to-all, saved by the weighted sum
     return received * (rows_in + gate_up + swiglu) + back_home
 
@@ -299,10 +302,11 @@ def received_rows(ep: int, capacity_factor: float) -> float:
     return EXPERT_LOAD_IMBALANCE
 
 
-def _layer_activation_bytes(s: _Shape, moe: bool, mode: str, received: float = EXPERT_LOAD_IMBALANCE) -> float:
+def _layer_activation_bytes(s: _Shape, moe: bool, mode: str, received: float = EXPERT_LOAD_IMBALANCE,
+                            swiglu_kept: bool = True) -> float:
     """Bytes one token's activations in one decoder layer hold until its backward ("none": what autograd
     saves; "selective": matmul, grouped-GEMM, communication and attention outputs; "full": the layer input;
-    "experts": "none" less the routed experts', which are recomputed)."""
+    "experts": "none" less the routed experts', which are recomputed; ``swiglu_kept``: ``_expert_activation_bytes``)."""
     h, k = s.hidden, s.top_k
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     if mode == "full":
@@ -321,7 +325,7 @@ def _layer_activation_bytes(s: _Shape, moe: bool, mode: str, received: float = E
     if mode in ("none", "experts"):
         norms = 2 * (NORM_SAVED * h + NORM_ROW + ACT * h)  # each norm's input and its output (the next matmul's input)
         attention = NORM_SAVED * qk_norm_elems + sdpa + ACT * q  # + o_proj's input (the output made contiguous)
-        experts = _expert_activation_bytes(s, received) if moe and mode == "none" else 0.0
+        experts = _expert_activation_bytes(s, received, swiglu_kept) if moe and mode == "none" else 0.0
         mlp = ACT * 4 * mlp_inter + gate  # gate and up outputs, silu(gate), their product
         return norms + attention + router + experts + mlp
     # selective: element-wise work (norms, rotary, SwiGLU, residual adds, weighting) is recomputed
@@ -342,15 +346,17 @@ def _uncheckpointed_moe_layers(config, mode: str, checkpointed: int) -> int:
 
 
 def activation_bytes(config, tokens: int, mode: str, checkpointed: int = -1, experts: bool = False,
-                     received: float = EXPERT_LOAD_IMBALANCE) -> float:
+                     received: float = EXPERT_LOAD_IMBALANCE, swiglu_kept: bool = True) -> float:
     """Peak activation bytes of a micro-batch of ``tokens`` tokens on one rank (the logits apart), with
     ``mode`` on ``checkpointed`` decoder layers (``checkpointed_layers``; -1: all) and none on the rest, the rest's
-    routed experts recomputed with ``experts`` (``checkpoint_experts``); ``received``: ``received_rows``."""
+    routed experts recomputed with ``experts`` (``checkpoint_experts``); ``received``: ``received_rows``;
+    ``swiglu_kept`` False: the layers that keep their experts' activations make SwiGLU's output again instead
+    (``recompute_swiglu``; the layer being worked on in the backward is still counted whole)."""
     s = _shape(config)
     is_moe = [i in s.moe_layers for i in range(s.layers)]
     chosen = _checkpointed(s, mode, checkpointed)
     rest = "experts" if experts else "none"
-    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else rest, received) for i, moe in enumerate(is_moe))
+    kept = sum(_layer_activation_bytes(s, moe, mode if i in chosen else rest, received, swiglu_kept) for i, moe in enumerate(is_moe))
     full_layer = max(_layer_activation_bytes(s, moe, "none", received) for moe in set(is_moe))
     recompute = 0.0  # the layer whose backward runs, recomputed to its "none" activations
     recomputed = {is_moe[i] for i in chosen}
@@ -387,6 +393,7 @@ class Plan:
     lora_target_modules: str = DEFAULT_TARGETS
     chunked_loss: bool = True  # the loss inside lm_head's forward, over chunks of rows (train/loss.py)
     checkpoint_experts: bool = False  # the routed experts of layers not checkpointed are recomputed
+    recompute_swiglu: bool = False  # the experts' SwiGLU output made again in the backward (where it applies)
     fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallel/mesh.FSDP_WRAPS)
     ep_capacity_factor: float = 0.0  # > 0: the static exchange, every MoE layer's received rows at this x the mean
 
@@ -482,6 +489,7 @@ def estimate_memory(
     checkpoint_experts: bool = False,
     fsdp_wrap: str = "layer",
     ep_capacity_factor: float = 0.0,
+    recompute_swiglu: bool = False,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     if fsdp_wrap not in FSDP_WRAPS:
@@ -507,6 +515,7 @@ def estimate_memory(
         checkpoint_experts=checkpoint_experts,
         fsdp_wrap=fsdp_wrap,
         ep_capacity_factor=ep_capacity_factor,
+        recompute_swiglu=recompute_swiglu,
     )
     return _estimate(config, plan)
 
@@ -538,6 +547,19 @@ def checkpointing_text(e: "MemoryEstimate") -> str:
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InputError(f"{name}={value!r} must be a positive integer")
+
+
+def swiglu_made_again(config, ep: int, lora) -> bool:
+    """Whether ``recompute_swiglu`` has anything to make again on a GPU (``experts.makes_swiglu_again``): experts
+    of SiLU * up (not gpt-oss's clamped SwiGLU), several on each rank, no LoRA on them (``lora``: ``_adapters``), and an
+    ep it has run at (``RECOMPUTE_SWIGLU_RAN_AT_EP``)."""
+    from megablocks_utils.moe.experts import RECOMPUTE_SWIGLU_RAN_AT_EP
+
+    spec = spec_for(config)
+    if ep > RECOMPUTE_SWIGLU_RAN_AT_EP:
+        return False
+    silu = spec.expert_act is None and not spec.gate_up_interleaved and getattr(config, "hidden_act", "silu") == "silu"
+    return bool(_shape(config).moe_layers) and silu and _shape(config).num_experts // ep > 1 and (lora is None or not lora.expert)
 
 
 def _adapters(config, plan: Plan):
@@ -654,7 +676,8 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
 
     tokens = plan.per_device_train_batch_size * plan.max_length
     received = received_rows(ep, plan.ep_capacity_factor)
-    activations = activation_bytes(config, tokens, mode, checkpointed, plan.checkpoint_experts, received)
+    swiglu_kept = not (plan.recompute_swiglu and swiglu_made_again(config, ep, lora))
+    activations = activation_bytes(config, tokens, mode, checkpointed, plan.checkpoint_experts, received, swiglu_kept)
     if ep > 1 and plan.ep_capacity_factor > 0:  # the static exchange's two shared buffers: rows sent, rows received
         activations += COMPUTE_BYTES * counts.hidden * counts.top_k * tokens * (1 + received)
     if lora is not None:
@@ -822,6 +845,8 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
         if optim != p.optim:
             offer(f"--optim {optim}", optim=optim)
     layers = e.config.num_hidden_layers
+    if not p.recompute_swiglu:  # one element-wise pass a layer made again: cheaper still
+        offer("--recompute_swiglu true", recompute_swiglu=True)
     if not p.checkpoint_experts and e.counts.moe_layers:  # the routed experts recomputed: the cheapest memory to give
         offer("--checkpoint_experts true", checkpoint_experts=True)
     for mode in CHECKPOINTING[max(1, CHECKPOINTING.index(e.checkpointing)) :]:

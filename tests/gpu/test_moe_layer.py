@@ -119,6 +119,56 @@ def measure(rank, world):
     found.update(silu_mul_pieces())
     found.update(swiglu_bounds())
     found["grads_into"] = grads_into_vs_autograd(models["eager"], ids)
+    found["recompute_swiglu"] = recompute_swiglu_vs_kept(ours, ids)
+    return found
+
+
+def recompute_swiglu_vs_kept(model, ids) -> dict:
+    """The bf16 model with ``recompute_swiglu`` on against off (SwiGLU's output made again in the backward, not kept),
+    three micro-steps, the experts' weight gradients added in the GEMMs' backward and through autograd: outputs and
+    every gradient; and ``silu_mul_down`` alone with a bound of valid rows against its two steps."""
+    from megablocks_utils import causal_lm_loss_sum, moe_blocks
+    from megablocks_utils.moe import experts as experts_module
+    from megablocks_utils.moe.experts import silu_mul, silu_mul_down
+    from megablocks_utils.moe.weight_grad import grouped_mm
+
+    calls = []
+    spy = lambda *a: calls.append(1) or silu_mul_down(*a)  # noqa: E731
+    torch.manual_seed(3)
+    batches = [torch.randint(0, 1024, ids.shape, device="cuda") for _ in range(3)]
+    found = {}
+    for grads_in_gemm in (True, False):
+        runs = []
+        for on in (True, False):
+            for block in moe_blocks(model):
+                block.experts.recompute_swiglu, block.experts.weight_grads_in_gemm = on, grads_in_gemm
+            experts_module.silu_mul_down = spy if on else silu_mul_down
+            model.zero_grad(set_to_none=True)
+            outs = []
+            for batch in batches:
+                logits = model(batch).logits
+                causal_lm_loss_sum(logits, batch).backward()
+                outs.append(logits.detach())
+            runs.append((outs, {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                                for n, p in model.named_parameters()}))
+        experts_module.silu_mul_down = silu_mul_down
+        (outs_on, grads_on), (outs_off, grads_off) = runs
+        found["into" if grads_in_gemm else "autograd"] = {
+            "outputs_equal": all(torch.equal(a, b) for a, b in zip(outs_on, outs_off)),
+            "grads_unequal": [n for n in grads_off if not torch.equal(grads_on[n], grads_off[n])]}
+    found["calls"] = len(calls)  # 2 layers x 3 micro-steps x 2 runs
+    for block in moe_blocks(model):
+        block.experts.recompute_swiglu, block.experts.weight_grads_in_gemm = False, True
+    gate_up = (3 * torch.randn(5000, 2 * 1408, device="cuda")).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(4, 512, 1408, device="cuda")).bfloat16().requires_grad_()
+    offs = torch.tensor([1000, 1000, 2500, 3001], device="cuda", dtype=torch.int32)
+    grad = torch.randn(5000, 512, device="cuda").bfloat16()
+    pair = []
+    for fn in (lambda: silu_mul_down(gate_up, w, offs, offs[-1:], None, True),
+               lambda: grouped_mm(silu_mul(gate_up, offs[-1:]), w.transpose(-2, -1), offs)):
+        out = fn()
+        pair.append((out[:3001].detach(), *(g[:3001] if g.shape[0] == 5000 else g for g in torch.autograd.grad(out, (gate_up, w), grad))))
+    found["bounded_equal"] = [bool(torch.equal(a, b)) for a, b in zip(*pair)]
     return found
 
 
@@ -338,3 +388,15 @@ def test_weight_grads_added_in_the_gemm_equal_autograds(found):
         assert got[case]["outputs_equal"], (case, got[case])
         assert got[case]["grads_rel"] <= 1e-2 and got[case]["grads_equal_share"] >= 0.99, (case, got[case])
     assert got["gpt_oss_bf16"]["empty_expert_zero"] and got["gpt_oss_fp32_divided"]["empty_expert_zero"], got
+
+
+def test_recompute_swiglu_gives_the_same_bits(found):
+    """``recompute_swiglu``: SwiGLU's output made again by the forward's own kernel, so over three micro-steps the
+    outputs and every gradient equal the run that keeps it, bit for bit, with the experts' weight gradients added in the
+    GEMMs or by autograd; the layers took the path (2 layers x 3 micro-steps x 2 runs); and alone, over rows bounded by
+    the static exchange's count, the output and both gradients equal SwiGLU then the grouped GEMM."""
+    got = found["recompute_swiglu"]
+    for case in ("into", "autograd"):
+        assert got[case]["outputs_equal"] and not got[case]["grads_unequal"], (case, got[case])
+    assert got["calls"] == 12, got
+    assert got["bounded_equal"] == [True, True, True], got
