@@ -1,5 +1,6 @@
 """Activation checkpointing on GPUs: full and selective give no checkpointing's loss and gradients, with compiled
-attention and norms inside the checkpointed layers, FSDP2 in bf16 and fp32, and (2 GPUs) the all-to-alls in the region.
+attention and norms inside the checkpointed layers, FSDP2 in bf16 and fp32, and (2 GPUs) the all-to-alls in the region;
+so does ``recompute_swiglu`` in bf16 (the experts' SwiGLU output made again in the backward), also at ep 2.
 
 A Mixtral shape (hidden 1024, 8 experts of 3584, top-2, 2 layers) sharded with ep = world size and set up as
 train_fsdp2.py does it (checkpointing, compile_dense, FSDP2), the same seeded weights and batch for every mode; one
@@ -17,7 +18,7 @@ from .launch import gpus, run_on_gpus
 
 pytestmark = gpus(1)
 BOUND = {"fp32": 1e-5, "bf16": 2e-2}  # fp32: the CPU suite's equality bound; bf16: 5 units of 2^-8 (recomputed GEMMs may pick other kernels)
-MODES = ("none", "none_again", "full", "selective")
+MODES = ("none", "none_again", "full", "selective", "swiglu_again")
 VOCAB, BATCH, SEQ = 32000, 2, 1024
 
 
@@ -38,7 +39,13 @@ def build(mode: str, dtype: torch.dtype, device):
     with device:
         model = MixtralForCausalLM(config)
     mesh = shard_moe(model, dist.get_world_size(), device=device)
-    apply_activation_checkpointing(model, "none" if mode == "none_again" else mode)
+    apply_activation_checkpointing(model, mode if mode in ("full", "selective") else "none")
+    if mode == "swiglu_again":
+        from megablocks_utils.moe.layer import ExpertParallelExperts
+
+        for module in model.modules():  # set directly, past the ep guard (RECOMPUTE_SWIGLU_RAN_AT_EP): this check at ep 2
+            if isinstance(module, ExpertParallelExperts):  # is what lets that guard rise
+                module.recompute_swiglu = True
     compile_dense_parts(model)
     experts = set(expert_parameters(model))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -63,7 +70,11 @@ def measure(rank, world):
     import torch.distributed as dist
 
     from megablocks_utils import causal_lm_loss_sum
+    from megablocks_utils.moe import experts as experts_module
     from megablocks_utils.parallel.activation_checkpointing import OpCounter
+
+    silu_mul_down, calls = experts_module.silu_mul_down, []
+    experts_module.silu_mul_down = lambda *a: calls.append(1) or silu_mul_down(*a)  # noqa: E731  (counts the path's use)
 
     torch._dynamo.config.recompile_limit = 64  # every run builds a new model; the compiled code is reused
     device = torch.device("cuda", rank)
@@ -73,6 +84,9 @@ def measure(rank, world):
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         reference = None
         for mode in MODES:
+            if mode == "swiglu_again" and dtype != torch.bfloat16:  # fp32 experts take the per-expert loop: nothing to make again
+                continue
+            calls.clear()
             model, mesh = build(mode, dtype, device)
             step(model, mesh, ids)  # warm-up: compiles
             loss = step(model, mesh, ids)
@@ -95,6 +109,7 @@ def measure(rank, world):
                 causal_lm_loss_sum(logits, ids).backward()
             record["bwd_gemms"] = counter.total(aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm)
             record["bwd_all_to_all"] = counter.total(torch.ops._c10d_functional.all_to_all_single)
+            record["silu_mul_down_calls"] = len(calls)
             found[f"{dtype_name} {mode}"] = record
             del model, mesh, grads, logits
             gc.collect()
@@ -125,3 +140,14 @@ def test_selective_recomputes_no_all_to_all(found, dtype):
 def test_full_recomputes_gemms(found, dtype):
     """The counter sees what a backward runs: full checkpointing replays the forward's GEMMs too."""
     assert found[f"{dtype} full"]["bwd_gemms"] > found[f"{dtype} none"]["bwd_gemms"], found
+
+
+def test_recompute_swiglu_gives_the_loss_and_gradients_of_none(found):
+    """bf16, the experts' SwiGLU output made again in the backward: no checkpointing's loss and gradients within
+    max(bound, 10 x the noise of two identical runs), the same GEMMs and all-to-alls in the backward, and the layers took
+    the path (2 layers x 3 forwards)."""
+    noise, run, none = found["bf16 none_again"], found["bf16 swiglu_again"], found["bf16 none"]
+    assert run["max_rel_grad"] <= max(BOUND["bf16"], 10 * noise["max_rel_grad"]), (run, noise)
+    assert run["rel_loss"] <= max(BOUND["bf16"], 10 * noise["rel_loss"]), (run, noise)
+    assert (run["bwd_gemms"], run["bwd_all_to_all"]) == (none["bwd_gemms"], none["bwd_all_to_all"]), (run, none)
+    assert run["silu_mul_down_calls"] == 6 and none["silu_mul_down_calls"] == 0, (run, none)
