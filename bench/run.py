@@ -626,8 +626,8 @@ def lora_quality_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_part_pull", "ours_none", "emul16", "hf_emul16", "ours_lora",
-                  "hf_lora")
+FULL_SIZE_RUNS = ("hf", "ours_sel", "ours_full", "ours_part", "ours_part_pull", "ours_none", "ours_none_swiglu_again", "emul16",
+                  "hf_emul16", "ours_lora", "hf_lora")
 LORA_R = 16  # the ours_lora and hf_lora runs: train_fsdp2.py's default LoRA rank and targets (attention, every expert)
 
 
@@ -655,6 +655,8 @@ def full_size(s: Session) -> str:
             "ours_part_pull": (f"{ours_common} --activation_checkpointing full --activation_checkpointing_layers "
                                f"{a.part_layers or half} --ep_capacity_factor 3"),
             "ours_none": f"{ours_common} --activation_checkpointing none",
+            # no checkpointing with the experts' SwiGLU output made again in the backward (where its ep guard allows)
+            "ours_none_swiglu_again": f"{ours_common} --activation_checkpointing none --recompute_swiglu true",
             "emul16": f"{ours_common} --activation_checkpointing selective --gpu_memory_gib {a.emul_gib}",
             # LoRA: the weights frozen in bf16, fp32 adapters (adamw_torch); every layer checkpointed, as the peer
             "ours_lora": f"--ep_size {s.gpus} --finetuning lora --lora_r {LORA_R} --activation_checkpointing full"}
