@@ -175,6 +175,15 @@ def run_rank_cases(world_size: int, cases: dict, out_dir: str) -> dict:
     return outcome
 
 
+def nan_in_uninitialized_memory() -> None:
+    """From here on in this process, every tensor torch allocates without values (``empty``, ``empty_like``, the
+    outputs of ops that leave rows unwritten) starts as NaN, not as whatever the allocator had: a value that leaks from
+    such rows (even times 0) then shows up every run instead of by chance (torch's ``fill_uninitialized_memory``, which
+    applies under deterministic algorithms)."""
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+
+
 def run_in_triton_interpreter(code: str) -> dict:
     """Run ``code`` (a script that prints one JSON line last) in a child process with Triton's CPU interpreter on
     (``TRITON_INTERPRET`` is read when Triton is imported, so not in this process); its JSON."""

@@ -642,3 +642,15 @@ def test_fit_check_offers_recompute_swiglu_first_where_it_fits():
     message = fit_error(kept, budget)
     assert "Settings that fit: --recompute_swiglu true (" in message, message
     assert fit_error(again, budget) is None
+
+
+def test_checkpointing_hint_offers_recompute_swiglu_where_it_spares_whole_layers():
+    plan = dict(world_size=1, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    full = estimate_memory(MIXTRAL_8X7B, activation_checkpointing="full", **plan)
+    kept, again = (estimate_memory(MIXTRAL_8X7B, recompute_swiglu=r, **plan) for r in (False, True))  # no checkpointing
+    gpu = 1.0001 * again.total / 0.9  # no checkpointing fits within 90% only with SwiGLU's output made again
+    assert kept.total > 0.9 * gpu
+    hint = memory_plan.checkpointing_hint(full, gpu)
+    assert hint.startswith("activation checkpointing: --activation_checkpointing none --recompute_swiglu true would fit"), hint
+    assert memory_plan.checkpointing_hint(estimate_memory(MIXTRAL_8X7B, activation_checkpointing="full", recompute_swiglu=True,
+                                                          **plan), gpu).startswith("activation checkpointing: none would fit")

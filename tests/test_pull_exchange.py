@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megablocks_utils.moe.pull_exchange import pull_capacity, pull_plan, receiver_slots, routing_meta
-from tests.conftest import run_in_triton_interpreter, run_ranks
+from tests.conftest import nan_in_uninitialized_memory, run_in_triton_interpreter, run_ranks
 from tests.test_static_exchange import HIDDEN, K, LOCAL, TOKENS, make_experts, no_host_reads, routing
 
 
@@ -228,6 +228,7 @@ def run_tokens(experts, top_i, path, capacity=None, guard_trace=None):
 def _pull_on_ranks(rank: int, ep: int) -> None:
     import torch.distributed as dist
 
+    nan_in_uninitialized_memory()  # rows past the valid ones (never written) must not reach any output, even times 0
     experts = make_experts(rank, ep)
     everything = ep * TOKENS * K  # every row of every rank fits one receiver
     traces = {}

@@ -131,10 +131,11 @@ def pair_sums(rows: torch.Tensor, slots: torch.Tensor, w: torch.Tensor | None = 
     """``sum_slots``: [ep * T, H] fp32, each pair's slots of ``rows`` summed (times ``w``), zeros for none (the
     shared buffer holds them in ``rows``' dtype)."""
     at = slots.reshape(-1, slots.shape[-1])
-    picked = rows[at.clamp(min=0)].float() * (at >= 0).unsqueeze(-1)
+    picked = rows[at.clamp(min=0)].float()
     if w is not None:
         picked = picked * w[at.clamp(min=0)].unsqueeze(-1)
-    return picked.sum(1)
+    # where, not a product with the mask: a row read for no slot may hold anything, NaN included (0 x NaN is NaN)
+    return torch.where((at >= 0).unsqueeze(-1), picked, 0.0).sum(1)
 
 
 def rank_sums(s_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, me: int, dtype: torch.dtype) -> torch.Tensor:
@@ -143,12 +144,12 @@ def rank_sums(s_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, me: 
     ep, tokens = s_all.shape[0], owner.shape[0]
     holds = ((owner.long().unsqueeze(-1) == torch.arange(ep, device=owner.device)) & (slot >= 0).unsqueeze(-1)).any(1)
     mine = s_all[:, me * tokens : (me + 1) * tokens].float()
-    return (mine * holds.T.unsqueeze(-1)).sum(0).to(dtype)
+    return torch.where(holds.T.unsqueeze(-1), mine, 0.0).sum(0).to(dtype)  # a rank's row for no copy may hold anything
 
 
 def read_at(gw_all: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """``read_scalars``: entry ``slot`` of rank ``owner``'s row of ``gw_all`` [ep, capacity] (0 where slot < 0)."""
-    return gw_all[owner.long(), slot.long().clamp(min=0)] * (slot >= 0)
+    return torch.where(slot >= 0, gw_all[owner.long(), slot.long().clamp(min=0)], 0.0)
 
 
 class GatheredPeers:

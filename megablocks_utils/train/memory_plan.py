@@ -804,6 +804,15 @@ def checkpointing_hint(estimate: MemoryEstimate, gpu_memory_bytes: float, use: f
     elif count == 0:
         alt = _try(estimate, activation_checkpointing_layers=0)
         return f"activation checkpointing: none would fit {_within(alt, use, gpu_memory_bytes)}; --activation_checkpointing none recomputes nothing and runs faster"
+    # Making the experts' SwiGLU output again (one element-wise pass a layer) costs least of all: where it lets fewer
+    # whole layers be checkpointed, that comes first.
+    if not estimate.plan.recompute_swiglu:
+        swiglu = _fewest_checkpointed(estimate, budget, estimate.checkpointing, start=0, recompute_swiglu=True)
+        if swiglu is not None and swiglu < (estimate.checkpointed if count is None else count):
+            alt = _try(estimate, activation_checkpointing_layers=swiglu, recompute_swiglu=True)
+            flag = "--activation_checkpointing none" if swiglu == 0 else f"--activation_checkpointing_layers {swiglu}"
+            return (f"activation checkpointing: {flag} --recompute_swiglu true would fit {_within(alt, use, gpu_memory_bytes)}; "
+                    "it makes the experts' SwiGLU output again instead of recomputing whole layers: less work")
     # Recomputing only the routed experts (most of a MoE layer's activations, a small part of its work) in the layers
     # left out is cheaper than recomputing whole layers: fewer whole layers with it are faster still.
     with_experts = None
