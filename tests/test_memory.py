@@ -627,6 +627,9 @@ def test_recompute_swiglu_drops_swiglus_output_where_the_gpu_makes_it_again(monk
     assert half[0] - half[1] == (kept.activations - again.activations) / 2
     at_ep4 = dict(plan, world_size=4)
     assert estimate_memory(MIXTRAL_8X7B, recompute_swiglu=True, **at_ep4).total == estimate_memory(MIXTRAL_8X7B, **at_ep4).total
+    assert "recompute_swiglu off at ep 4 (run on GPUs at ep <= 1 so far)" in estimate_memory(MIXTRAL_8X7B, recompute_swiglu=True,
+                                                                                          **at_ep4).describe()
+    assert "recompute_swiglu on" in again.describe()
     monkeypatch.setattr(experts, "RECOMPUTE_SWIGLU_RAN_AT_EP", 4)  # the guard, not the plan, kept it at ep 4
     assert estimate_memory(MIXTRAL_8X7B, recompute_swiglu=True, **at_ep4).total < estimate_memory(MIXTRAL_8X7B, **at_ep4).total
     lora = dict(plan, finetuning="lora")  # the default targets adapt the experts: their down adapter reads SwiGLU's output

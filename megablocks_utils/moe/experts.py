@@ -52,7 +52,7 @@ class _SiluMulDown(torch.autograd.Function):
     """SwiGLU, then the down projection, saving gate_up only: the backward makes SwiGLU's output again (the forward's
     own kernel, so the same bits) instead of keeping it for the down GEMM's weight gradient. That output is
     2 x k x I bytes a token and layer (Mixtral-8x7B: 57 KB, ~7 GiB a 4,096-token micro-batch over 32 layers); making it
-    again is one element-wise pass over gate_up (~1% of a step on one H200: bench/results/session29, call K).
+    again is one element-wise pass over gate_up (1-2% of a step on one H200: bench/results/session29 call K, session31 A).
     ``w_down`` as stored ([E, H, I], used as ``h @ w_e^T`` with ``transpose_weight``; or [E, I, H]); ``into``: where its
     gradient goes (``weight_grad.WeightGradInto``), or None: returned to autograd."""
 

@@ -533,7 +533,7 @@ def check_checkpointed_layers(count, num_layers: int) -> int:
 
 def checkpointing_text(e: "MemoryEstimate") -> str:
     """"full", or "full on 16 of 32 layers" where only some layers are checkpointed; with ``checkpoint_experts``, what
-    the other layers recompute."""
+    the other layers recompute; with ``recompute_swiglu``, whether it applies (``swiglu_made_again``)."""
     layers = e.config.num_hidden_layers
     if e.checkpointing == "none" or e.checkpointed == layers:
         text = e.checkpointing
@@ -541,6 +541,14 @@ def checkpointing_text(e: "MemoryEstimate") -> str:
         text = f"{e.checkpointing} on {e.checkpointed} of {layers} layers"
     if e.plan.checkpoint_experts and (e.checkpointing == "none" or e.checkpointed < layers):
         text += (" (" if text == "none" else ", ") + "the routed experts recomputed" + (")" if text == "none" else " in the others")
+    if e.plan.recompute_swiglu:
+        from megablocks_utils.moe.experts import RECOMPUTE_SWIGLU_RAN_AT_EP
+
+        if e.ep > RECOMPUTE_SWIGLU_RAN_AT_EP:
+            text += f"; recompute_swiglu off at ep {e.ep} (run on GPUs at ep <= {RECOMPUTE_SWIGLU_RAN_AT_EP} so far)"
+        else:
+            text += "; recompute_swiglu " + ("on" if swiglu_made_again(e.config, e.ep, _adapters(e.config, e.plan))
+                                             else "(nothing to make again here)")
     return text
 
 
