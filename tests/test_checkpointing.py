@@ -188,3 +188,32 @@ def test_a_count_beyond_the_model_is_refused():
     model = AutoModelForCausalLM.from_config(tiny_mixtral_config(num_hidden_layers=2))
     with pytest.raises(ValueError, match="give 0..2 decoder layers"):
         apply_activation_checkpointing(model, "full", 3)
+
+
+def test_recompute_swiglu_reaches_the_layers_only_up_to_the_ep_it_has_run_at(monkeypatch):
+    """``apply_activation_checkpointing(..., swiglu=True)`` sets every MoE layer's ``recompute_swiglu`` where the ep is at
+    most ``RECOMPUTE_SWIGLU_RAN_AT_EP`` (the GPUs it has run on), and leaves it off above, which the run's line says."""
+    import torch.distributed as dist
+    from conftest import free_port
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.moe import experts as moe_experts
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+    from megablocks_utils.parallel.activation_checkpointing import apply_activation_checkpointing, recompute_swiglu_text
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_mixtral_config())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        shard_moe(model, 1, device="cpu")
+    finally:
+        dist.destroy_process_group()
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    apply_activation_checkpointing(model, "none", swiglu=True)
+    assert len(layers) == 2 and all(m.recompute_swiglu for m in layers)
+    assert recompute_swiglu_text(model, "cuda") == "recompute_swiglu: 2 of 2 MoE layers make SwiGLU's output again in the backward"
+    monkeypatch.setattr(moe_experts, "RECOMPUTE_SWIGLU_RAN_AT_EP", 0)  # as if this ep had not run: the guard keeps it off
+    apply_activation_checkpointing(model, "none", swiglu=True)
+    assert not any(m.recompute_swiglu for m in layers)
+    assert recompute_swiglu_text(model, "cuda").startswith("recompute_swiglu: off: on GPUs it has run only at ep <= 0 so far")
+    assert recompute_swiglu_text(model, "cpu").startswith("recompute_swiglu: nothing to make again on CPU")

@@ -567,7 +567,8 @@ def swiglu_made_again(config, ep: int, lora) -> bool:
     if ep > RECOMPUTE_SWIGLU_RAN_AT_EP:
         return False
     silu = spec.expert_act is None and not spec.gate_up_interleaved and getattr(config, "hidden_act", "silu") == "silu"
-    return bool(_shape(config).moe_layers) and silu and _shape(config).num_experts // ep > 1 and (lora is None or not lora.expert)
+    shape = _shape(config)
+    return bool(shape.moe_layers) and silu and shape.num_experts // ep > 1 and (lora is None or not lora.expert)
 
 
 def _adapters(config, plan: Plan):
