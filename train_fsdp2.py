@@ -39,6 +39,7 @@ lora_alpha = 32  # LoRA scale: adapters add (alpha / r) * B A
 lora_dropout = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
 lora_target_modules = "auto"  # "auto" (the model's attention projections and routed experts, docs/lora.md) or PEFT names, comma-separated (never routers)
 merge_lora = False  # finetuning="lora": also write the merged model in hub layout to output_dir/merged
+quantize_base = "none"  # finetuning="lora": "fp8" holds the frozen experts and linear layers in FP8 (one GPU, sm89+)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
 per_device_train_batch_size = 4  # rows (packed) or samples per rank per micro-step
@@ -93,6 +94,7 @@ from megablocks_utils.errors import CheckpointError, InputError, NonFiniteStep  
 from megablocks_utils.model.architectures import spec_for  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.lora import check_lora  # noqa: E402
+from megablocks_utils.model.quantized_base import check_quantize_base  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
@@ -134,6 +136,8 @@ try:
     check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
     lora = check_lora(model_config, finetuning=finetuning, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_target_modules,
                       moe_backend=moe_backend, load_balance_coeff=load_balance_coeff, merge_lora=merge_lora)  # None: a full fine-tune
+    check_quantize_base(quantize_base, finetuning=finetuning, device_type="cuda" if torch.cuda.is_available() else "cpu",
+                        world_size=int(os.environ.get("WORLD_SIZE", 1)))
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     # ep_capacity_factor auto: the static exchange with whole micro-steps as CUDA graphs where that ran, else the exact one
     factor_auto = ep_capacity_factor == AUTO
@@ -187,6 +191,7 @@ from megablocks_utils.model.lora import (  # noqa: E402
     merge_adapters,
     save_peft_adapter,
 )
+from megablocks_utils.model.quantized_base import dequantize_base, describe_base  # noqa: E402
 from megablocks_utils.moe.balance import (  # noqa: E402
     add_routing_bias,
     routing_bias_note,
@@ -320,9 +325,11 @@ mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_exper
 with stop_together():
     # LoRA: the frozen weights in the compute dtype, the adapters in the optimizer's (megablocks_utils/model/lora.py).
     model, mesh = load_model(model_name_or_path, mesh, device=device, dtype=compute_dtype if lora else param_dtype(optim),
-                             moe_backend=moe_backend, attn_implementation=attention)
+                             moe_backend=moe_backend, attn_implementation=attention, quantize_base=quantize_base)
     lora_targets = add_lora(model, mesh, lora, param_dtype(optim), seed) if lora else None
     exchange_note = use_static_exchange(model, ep_capacity_factor)  # "" when off (megablocks_utils/moe/exchange_mode.py)
+if master and quantize_base != "none":
+    print(describe_base(model), flush=True)
 if master and (factor_note or exchange_note):
     print("\n".join(line for line in (factor_note, exchange_note) if line), flush=True)
 config = model.config
@@ -577,6 +584,7 @@ summary = log.summary(runtime=runtime, steps_run=total_steps - start_step, skipp
 if lora:  # final/: a PEFT adapter of the base model; merged/: the base with the adapters folded in
     save_peft_adapter(model, lora, lora_targets, os.path.join(output_dir, "final"), model_name_or_path, tokenizer)
     if merge_lora:
+        dequantize_base(model, compute_dtype)  # a quantized base: the merged model in the compute dtype
         merge_adapters(model)
         export_hf(model, mesh, os.path.join(output_dir, "merged"), config=AutoConfig.from_pretrained(model_name_or_path), tokenizer=tokenizer)
 else:

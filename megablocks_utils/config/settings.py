@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.errors import SettingsError
 from megablocks_utils.model.attention import KERNELS
+from megablocks_utils.model.quantized_base import QUANTIZE_BASE
 from megablocks_utils.parallel.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from megablocks_utils.train.memory_plan import FSDP_WRAP_SETTINGS
 from megablocks_utils.train.nonfinite import MODES
@@ -109,6 +110,7 @@ RULES = {
     "lora_r": POSITIVE,
     "lora_alpha": POSITIVE,
     "lora_dropout": FRACTION,
+    "quantize_base": Choice(QUANTIZE_BASE),
     "collective_timeout_s": POSITIVE,
     "ddp_timeout": POSITIVE,
     # optimizer and learning rate

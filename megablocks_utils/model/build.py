@@ -12,9 +12,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
 from megablocks_utils.model.attention import choose_attention
 from megablocks_utils.model.loading import Checkpoint, expert_layout, load_local_experts
+from megablocks_utils.model.quantized_base import quantize_linears
 from megablocks_utils.moe.blocks import moe_blocks, remember_moe_blocks
 from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
 from megablocks_utils.moe.megablocks_backend import MegablocksExperts, check_megablocks
+from megablocks_utils.moe.quantized import quantize_weight
 from megablocks_utils.moe.router import TopKRouter
 from megablocks_utils.parallel.mesh import MoEMesh, build_mesh
 
@@ -137,6 +139,7 @@ def shard_moe(
     force_loop: bool = False,
     compile_elementwise: bool = True,
     overlap_chunks: int = 1,
+    quantize_base: str = "none",
 ) -> MoEMesh:
     """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
 
@@ -151,7 +154,8 @@ def shard_moe(
     and ``timeout``, which bounds the collectives on the mesh's groups; see ``build_mesh``).
     FSDP (``parallelize``) is applied afterwards; until then each expert DTensor is Shard(0) over ep.
     ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the experts' settings (``ExpertParallelExperts``;
-    megablocks' forward has no ``overlap_chunks``).
+    megablocks' forward has no ``overlap_chunks``). ``quantize_base`` "fp8": the experts held in FP8, each layer's
+    quantized as it is read, and the decoder layers' linear layers after them (``model/quantized_base.py``; LoRA).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = model.config
@@ -240,8 +244,13 @@ def shard_moe(
                 if spec.score_bias is not None:
                     new.top_k_router.score_bias.copy_(getattr(old_router, spec.score_bias))
         new.experts.set_weights(*(_as_expert_dtensor(t, mesh) for t in tensors))
+        if quantize_base == "fp8":  # this layer's bf16 experts are freed here, before the next layer is read
+            new.experts.set_quantized_weights(*(quantize_weight(t, spec.experts_transposed) for t in tensors[:2]))
+        del tensors
     if ckpt is not None:
         ckpt.close()
+    if quantize_base == "fp8":
+        quantize_linears(model)
     remember_moe_blocks(model)
     model.register_forward_pre_hook(_start_recording_router)
     # transformers' own aux loss would look for its router class's outputs and find none; ours is
@@ -279,13 +288,14 @@ def load_model(
     force_loop: bool = False,
     compile_elementwise: bool = True,
     overlap_chunks: int = 1,
+    quantize_base: str = "none",
 ) -> tuple[nn.Module, MoEMesh]:
     """Build the model skeleton on meta (no expert memory) with every parameter in ``dtype`` (``one_dtype``), then
     ``shard_moe`` it from ``model_dir``.
 
     ``mesh``: the script's ``build_mesh(...)`` (or an ep size, see ``shard_moe``); ``timeout``: for a
     mesh built here (see ``build_mesh``); ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the
-    experts' settings (see ``shard_moe``).
+    experts' settings, ``quantize_base`` the frozen base's format (see ``shard_moe``).
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist; set model_name_or_path to a local model")
@@ -302,5 +312,6 @@ def load_model(
     mesh = shard_moe(
         model, mesh, model_dir=model_dir, device=device, moe_backend=moe_backend, timeout=timeout,
         force_loop=force_loop, compile_elementwise=compile_elementwise, overlap_chunks=overlap_chunks,
+        quantize_base=quantize_base,
     )
     return model, mesh

@@ -38,6 +38,9 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import decoder_layers, spec_for
 from megablocks_utils.moe.lora import PROJECTIONS, ExpertLoRA, stacked_adapter
+from megablocks_utils.moe.quantized import QuantizedLinear, QuantizedWeight
+
+LINEARS = (nn.Linear, QuantizedLinear)  # what takes a dense adapter: a linear layer, its weight bf16 or quantized
 
 DEFAULT_TARGETS = "auto"  # the model's attention projections and routed experts: auto_targets
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -82,7 +85,7 @@ def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The fused experts modules (transformers' or ours), by full name."""
     spec = spec_for(model.config)
     suffix = f".{spec.block_attr}.{spec.experts_attr}"
-    return {n: m for n, m in model.named_modules() if n.endswith(suffix) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)}
+    return {n: m for n, m in model.named_modules() if n.endswith(suffix) and isinstance(getattr(m, "gate_up_proj", None), (torch.Tensor, QuantizedWeight))}
 
 
 def auto_targets(model: nn.Module) -> tuple[str, ...]:
@@ -91,7 +94,7 @@ def auto_targets(model: nn.Module) -> tuple[str, ...]:
     the q low-rank path), and the routed experts' fused weights. Not the routers, shared experts or dense MLPs."""
     spec = spec_for(model.config)
     attention = [n.rsplit(".", 1)[-1] for layer in decoder_layers(model) for n, m in layer.self_attn.named_modules()
-                 if isinstance(m, nn.Linear)]
+                 if isinstance(m, LINEARS)]
     return tuple(dict.fromkeys(attention)) + tuple(f"{spec.experts_attr}.{p}" for p in PROJECTIONS)
 
 
@@ -107,7 +110,7 @@ def find_targets(model: nn.Module, targets: tuple[str, ...]) -> LoraTargets:
     spec = spec_for(model.config)
     targets = resolve_targets(model, targets)
     experts = _experts_modules(model)
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not any(n.startswith(e + ".") for e in experts)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, LINEARS) and not any(n.startswith(e + ".") for e in experts)]
     adaptable = sorted({n.rsplit(".", 1)[-1] for n in linears}) + [f"{spec.experts_attr}.{p}" for p in PROJECTIONS]
     modules, parameters, chosen, chosen_experts = [], [], set(), {}
     for target in targets:
@@ -191,6 +194,13 @@ def _attach_dense(linear: nn.Linear, lora: LoraSettings, generator: torch.Genera
     linear.lora_hook = linear.register_forward_hook(_add_dense_lora)
 
 
+def reattach_hook(old: nn.Module, new: nn.Linear) -> None:
+    """Move a dense adapter's forward hook from ``old`` to ``new`` (its attributes already moved): the quantized base's
+    linear layer replaced by its dequantized one (``quantized_base.dequantize_base``)."""
+    old.lora_hook.remove()
+    new.lora_hook = new.register_forward_hook(_add_dense_lora)
+
+
 def _projection_dims(experts: nn.Module, name: str) -> tuple[int, int]:
     """(in, out) of an expert projection, from its stacked weight's layout."""
     shape = getattr(experts, name).shape
@@ -251,7 +261,7 @@ def _adapter_entries(model: nn.Module):
     from megablocks_utils.moe.layer import ExpertParallelExperts
 
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and hasattr(module, "lora_hook"):
+        if isinstance(module, LINEARS) and hasattr(module, "lora_hook"):
             for ab in ("lora_A", "lora_B"):
                 yield getattr(module, ab).weight, f"{PEFT_PREFIX}{name}.{ab}.weight", _same, _same
         elif isinstance(module, ExpertParallelExperts) and module.lora is not None:
@@ -354,8 +364,10 @@ def merge_adapters(model: nn.Module) -> None:
     remove the adapters: the model is then a plain one that ``export_hf`` writes. Collective."""
     from megablocks_utils.moe.layer import ExpertParallelExperts
 
+    if any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise ValueError("the base is quantized: dequantize it first (model/quantized_base.dequantize_base), then merge")
     for module in list(model.modules()):
-        if isinstance(module, nn.Linear) and hasattr(module, "lora_hook"):
+        if isinstance(module, LINEARS) and hasattr(module, "lora_hook"):
             a, b = _full(module.lora_A.weight).float(), _full(module.lora_B.weight).float()
             _add_dense(module.weight, (b @ a) * module.lora_scaling)
             module.lora_hook.remove()

@@ -8,9 +8,10 @@ and down's gradients into ``.grad`` itself, the blocks without an autograd edge 
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from megablocks_utils.moe.cast import cast_weights, divide_fuses
+from megablocks_utils.moe.quantized import QuantizedWeight
 from megablocks_utils.moe.weight_grad import WeightGradInto
 
 
@@ -53,6 +54,29 @@ class ExpertWeights(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(gate_up_proj_bias)
             self.down_proj_bias = nn.Parameter(down_proj_bias)
 
+    def set_quantized_weights(self, gate_up_proj: QuantizedWeight, down_proj: QuantizedWeight) -> None:
+        """Hold gate_up and down frozen and quantized (LoRA's ``quantize_base``: ``moe/quantized.py``), this rank's
+        experts only; the biases, where the model has them, stay as ``set_weights`` gave them."""
+        for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if name in self._parameters:
+                del self._parameters[name]
+            setattr(self, name, weight)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether gate_up and down are held quantized (``set_quantized_weights``)."""
+        return isinstance(self._modules.get("gate_up_proj"), QuantizedWeight)
+
+    def dequantize_weights(self, dtype: torch.dtype) -> None:
+        """Quantized gate_up and down back to frozen parameters in ``dtype`` (DTensors over ep, as ``set_weights``
+        makes them): for the merged export."""
+        if not self.quantized:
+            return
+        mesh = self.mesh.ep
+        for name in ("gate_up_proj", "down_proj"):
+            local = self._modules.pop(name).dequantized(dtype)
+            setattr(self, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False), requires_grad=False))
+
     def expert_tensors(self) -> tuple[torch.Tensor, ...]:
         """(gate_up_proj, down_proj), then the biases where there are any."""
         if self.has_bias:
@@ -63,7 +87,10 @@ class ExpertWeights(nn.Module):
     def _local_weights(self, dtype: torch.dtype, tensors=None) -> tuple[torch.Tensor, ...]:
         """``expert_tensors()``' (or ``tensors``') local blocks in ``dtype``, their gradients divided by
         ``grad_divisor`` on the way back."""
-        local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.expert_tensors() if tensors is None else tensors)]
+        tensors = self.expert_tensors() if tensors is None else tensors
+        if isinstance(tensors[0], QuantizedWeight):  # frozen, read as they are by the GEMMs (moe/quantized.py)
+            return tuple(tensors[:2]) + (self._local_weights(dtype, tensors[2:]) if len(tensors) > 2 else ())
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in tensors]
         return cast_weights(local, dtype, self.grad_divisor, self.compile_elementwise)
 
     def _weights_grads_into(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[WeightGradInto, ...]]:

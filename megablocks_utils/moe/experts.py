@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from megablocks_utils.moe.fused import fused
+from megablocks_utils.moe.quantized import QuantizedWeight
 from megablocks_utils.moe.weight_grad import WeightGradInto, grouped_mm, grouped_mm_grad_into
 
 
@@ -223,7 +224,8 @@ class LocalExperts:
         """All local experts in one grouped GEMM per projection; ``counts`` stays on the device (no host sync)."""
         has_bias = len(weights) == 4
         w_gate_up, w_down = weights[:2]
-        if not self.transposed:
+        quantized = isinstance(w_gate_up, QuantizedWeight)
+        if not self.transposed and not quantized:
             w_gate_up, w_down = w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1)
         if len(counts) == 1:
             # One local expert (ep = number of experts): plain GEMMs, 8% faster than grouped_mm with one group
@@ -237,6 +239,9 @@ class LocalExperts:
                 one_hot = expert_one_hot(counts, x.shape[0], x.dtype)
                 add_bias = lambda rows, bias: add_expert_bias(rows, one_hot, bias)  # noqa: E731
         gemm_gate_up = gemm_down = gemm
+        if quantized:  # the frozen base dequantized inside its GEMMs (moe/quantized.py); the adapters as they are
+            group = {"offs": offs} if len(counts) > 1 else {"expert": 0}
+            gemm_gate_up = gemm_down = lambda a, w: w.matmul(a, **group)  # noqa: E731
         if grads_into is not None and len(counts) == 1:
             raise ValueError("grads_into needs the grouped GEMMs (uses_grouped_gemms): one local expert takes plain GEMMs")
         if grads_into is not None:  # the weights as stored ([E, 2I, H] unless transposed), their gradients into place
@@ -248,7 +253,7 @@ class LocalExperts:
         if has_bias:
             gate_up = add_bias(gate_up, weights[2])
         valid = offs[-1:] if padded and len(counts) > 1 else None
-        if recompute_swiglu and makes_swiglu_again(self, fuse, len(counts), bool(adapters)):
+        if recompute_swiglu and not quantized and makes_swiglu_again(self, fuse, len(counts), bool(adapters)):
             out = silu_mul_down(gate_up, weights[1], offs, valid, grads_into[1] if grads_into is not None else None,
                                 not self.transposed)
             return add_bias(out, weights[3]) if has_bias else out
@@ -272,10 +277,14 @@ class LocalExperts:
         """The reference computation: one pair of GEMMs per local expert (any device, any dtype)."""
         w_gate_up, w_down = weights[:2]
         b_gate_up, b_down = weights[2:] if len(weights) == 4 else (None, None)
+        quantized = isinstance(w_gate_up, QuantizedWeight)
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
             one = lambda a, w, e=e: a @ w[e]  # noqa: E731  (an adapter's product for this expert)
-            if self.transposed:  # x @ W + b, as transformers computes these layouts
+            if quantized:  # the frozen base, dequantized inside the GEMM (moe/quantized.py)
+                gate_up = w_gate_up.matmul(rows, expert=e)
+                gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
+            elif self.transposed:  # x @ W + b, as transformers computes these layouts
                 gate_up = rows @ w_gate_up[e]
                 gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
             else:
@@ -283,7 +292,10 @@ class LocalExperts:
             if adapters:
                 gate_up = lora.add("gate_up_proj", gate_up, rows, adapters, one)
             hidden = self.activate(gate_up)
-            if self.transposed:
+            if quantized:
+                out = w_down.matmul(hidden, expert=e)
+                out = out + b_down[e] if b_down is not None else out
+            elif self.transposed:
                 out = hidden @ w_down[e]
                 out = out + b_down[e] if b_down is not None else out
             else:

@@ -1,0 +1,107 @@
+"""LoRA over a quantized base (``quantize_base``): which frozen weights are held quantized, checked before loading.
+
+- "fp8": every expert projection and every linear layer of the decoder layers held in FP8 (block-scaled e4m3,
+  ``moe/quantized.py``), quantized at load from a bf16 checkpoint (each layer's local experts as they are read, so no
+  rank ever holds its bf16 experts whole). The embeddings, lm_head, routers and norms stay in the compute dtype.
+- "none": the base in the compute dtype, as a full fine-tune loads it.
+Adapters are trained as over a bf16 base; ``final/`` is the same PEFT adapter of the original model, and the merged
+export dequantizes first (``dequantize_base``).
+
+Where it runs: one GPU of sm89 or newer (float8), and CPU ranks (the tests). Several GPUs have not run it: refused there
+until they have (``QUANTIZED_BASE_RAN_ON_GPUS``).
+"""
+
+import torch
+from torch import nn
+
+from megablocks_utils.errors import InputError
+from megablocks_utils.model.architectures import decoder_layers, spec_for
+from megablocks_utils.moe.quantized import QuantizedLinear, QuantizedWeight
+
+QUANTIZE_BASE = ("none", "fp8")
+# The most GPUs a run with a quantized base has run on (tests/gpu, one H200). Raise it where tests/gpu passed above it.
+QUANTIZED_BASE_RAN_ON_GPUS = 1
+
+
+def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str, world_size: int) -> None:
+    """Refuse a quantized base where it cannot run, before anything loads: a full fine-tune (the base must train), a GPU
+    without float8 (before sm89), and more GPUs than it has run on."""
+    if quantize_base == "none":
+        return
+    if quantize_base not in QUANTIZE_BASE:
+        raise InputError(f"--quantize_base {quantize_base!r}: choose one of {', '.join(QUANTIZE_BASE)}")
+    if finetuning != "lora":
+        raise InputError(f"--quantize_base {quantize_base} holds frozen weights quantized, which only --finetuning lora has; "
+                         "add --finetuning lora, or drop --quantize_base")
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise InputError(f"--quantize_base fp8 needs float8, which this GPU ({torch.cuda.get_device_name()}, sm{major}{minor}) "
+                             "lacks (sm89 and newer: L4, L40, H100, H200, B200); drop --quantize_base")
+        if world_size > QUANTIZED_BASE_RAN_ON_GPUS:
+            raise InputError(f"--quantize_base {quantize_base} has run on {QUANTIZED_BASE_RAN_ON_GPUS} GPU so far, not yet on "
+                             f"{world_size}: train on one GPU, or drop --quantize_base")
+
+
+def dense_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linear layers of the decoder layers that ``fp8`` quantizes (attention, shared experts, dense MLPs), by full
+    name: not a shared expert's one-output gate (it is a router), nothing outside the layers (embeddings, lm_head)."""
+    spec = spec_for(model.config)
+    prefix = "model.layers."
+    found = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            if type(module) is nn.Linear and not (spec.shared_gate_attr and name.endswith(spec.shared_gate_attr)):
+                found[f"{prefix}{i}.{name}"] = module
+    return found
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Every ``dense_linears`` layer swapped for its FP8 ``QuantizedLinear`` (frozen); returns how many."""
+    modules = dict(model.named_modules())
+    linears = dense_linears(model)
+    for name, linear in linears.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(modules[parent], leaf, QuantizedLinear.from_linear(linear))
+    return len(linears)
+
+
+@torch.no_grad()
+def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every quantized weight back to a frozen parameter in ``dtype``, adapters kept: before ``merge_adapters`` (the merged
+    export is in the compute dtype). The bf16 model must then fit where the quantized one was."""
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            parent, _, leaf = name.rpartition(".")
+            plain = module.to_linear(dtype)
+            for attr in ("lora_A", "lora_B", "lora_dropout", "lora_scaling"):  # the adapters move to the plain layer
+                if hasattr(module, attr):
+                    setattr(plain, attr, getattr(module, attr))
+            if hasattr(module, "lora_hook"):
+                from megablocks_utils.model.lora import reattach_hook
+
+                reattach_hook(module, plain)
+            setattr(model.get_submodule(parent) if parent else model, leaf, plain)
+        elif isinstance(module, ExpertParallelExperts):
+            module.dequantize_weights(dtype)
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """This rank's bytes of quantized weights and their scales."""
+    return sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+
+
+def describe_base(model: nn.Module) -> str:
+    """One line for the run's start: which frozen weights are held in which format, and their bytes on this rank."""
+    formats: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedWeight):
+            kind = "experts" if ".experts." in name else "linear layers"
+            formats[f"{kind} in {m.fmt}"] = formats.get(f"{kind} in {m.fmt}", 0) + m.nbytes()
+    if not formats:
+        return ""
+    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"  # noqa: E731
+    parts = ", ".join(f"{what} ({size(n)})" for what, n in sorted(formats.items()))  # experts first
+    return f"frozen base: {parts}; embeddings, lm_head, routers and norms in the compute dtype"

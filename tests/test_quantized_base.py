@@ -1,0 +1,232 @@
+"""LoRA over a quantized base (``--quantize_base fp8``, gpt-oss's MXFP4 experts): the formats against references written
+here and in transformers, the GEMMs that keep only quantized bytes for the backward, and the LoRA model over an FP8
+base against transformers + PEFT over the same weights rounded to FP8 (megablocks_utils/moe/quantized.py,
+megablocks_utils/model/quantized_base.py)."""
+
+import copy
+import os
+
+import pytest
+import torch
+from conftest import (
+    TWO_RANK_ARGS,
+    read_jsonl,
+    run_ranks,
+    standard_args,
+    tiny_moe_config,
+    train_fsdp2,
+)
+from test_lora import ALPHA, R, TOL, rel_err
+
+from megablocks_utils.errors import InputError
+from megablocks_utils.moe.quantized import (
+    FP4_VALUES,
+    QuantizedWeight,
+    dequantize,
+    frozen_matmul,
+    quantize_fp8,
+)
+
+
+def fp8_rounded(w: torch.Tensor) -> torch.Tensor:
+    """The reference: ``w`` [..., out, in] rounded to float8 e4m3 in 128 x 128 blocks, each scaled so that its largest
+    magnitude is 448, and scaled back (block by block, in fp32)."""
+    out = torch.empty(w.shape, dtype=torch.float32)
+    for i in range(0, w.shape[-2], 128):
+        for j in range(0, w.shape[-1], 128):
+            block = w[..., i:i + 128, j:j + 128].float()
+            scale = block.abs().amax(dim=(-2, -1), keepdim=True) / 448
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            out[..., i:i + 128, j:j + 128] = (block / scale).to(torch.float8_e4m3fn).float() * scale
+    return out.to(w.dtype)
+
+
+@pytest.mark.parametrize("shape", [(3, 300, 260), (256, 384), (2, 64, 32)])
+def test_fp8_blocks_round_like_the_reference(shape):
+    """128 x 128 blocks (ragged at the edges), one scale each: dequantized, the reference's values exactly, each within
+    e4m3's 3 mantissa bits of the weight."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g) * 4  # rows of different ranges
+    data, scale = quantize_fp8(w, chunk=2)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == w.shape
+    assert scale.shape == shape[:-2] + (-(-shape[-2] // 128), -(-shape[-1] // 128)) and scale.dtype == torch.float32
+    back = dequantize("fp8", data, scale, torch.float32)
+    assert torch.equal(back, fp8_rounded(w))
+    assert float(((back - w).abs() / w.abs().clamp(min=1e-3)).median()) < 2 ** -4
+    assert not torch.equal(back, w)
+
+
+def test_mxfp4_matches_transformers_dequantization():
+    """gpt-oss's released format: our dequantization against transformers' own (its [E, in, out] is our [E, out, in]
+    transposed), on random bytes and scales; and one byte by hand."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=g, dtype=torch.uint8)  # 3 experts, 8 outputs, 128 inputs
+    scales = torch.randint(118, 134, (3, 8, 4), generator=g, dtype=torch.uint8)
+    ours = dequantize("mxfp4", blocks, scales, torch.bfloat16)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    assert ours.shape == (3, 8, 128) and torch.equal(ours, theirs.transpose(1, 2))
+    one = dequantize("mxfp4", torch.tensor([[[0x2B] + [0] * 15]], dtype=torch.uint8), torch.tensor([[128]], dtype=torch.uint8), torch.float32)
+    assert one[0, :2].tolist() == [2 * FP4_VALUES[0xB], 2 * FP4_VALUES[0x2]] == [-3.0, 2.0]  # low nibble first, times 2^1
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_frozen_matmul_keeps_only_quantized_bytes(grouped):
+    """x @ W^T over a quantized W: the dequantized weight's output and input gradient, with no tensor of the weight's
+    dequantized size saved for the backward (what keeps a layer's bf16 weights alive) and no weight gradient."""
+    g = torch.Generator().manual_seed(0)
+    experts, out_f, in_f = 3, 160, 136
+    w = torch.randn(experts, out_f, in_f, generator=g)
+    q = QuantizedWeight("fp8", *quantize_fp8(w))
+    w_deq = q.dequantized(torch.float32)
+    x = torch.randn(10, in_f, generator=g, requires_grad=True)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)  # an expert with no rows
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.shape, t.dtype)) or t, lambda t: t):
+        y = q.matmul(x, offs) if grouped else q.matmul(x, expert=1)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = torch.cat([ref_x[a:b] @ w_deq[e].T for e, (a, b) in enumerate(zip([0, 4, 4], [4, 4, 10]))]) if grouped else ref_x @ w_deq[1].T
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-5)
+    assert all(dtype != torch.float32 or shape[-1] != in_f or len(shape) != len(w_deq.shape[grouped is False:])
+               for shape, dtype in saved), saved  # no dequantized weight among the saved tensors
+    assert (torch.Size([experts, out_f, in_f]) if grouped else torch.Size([out_f, in_f]), torch.float8_e4m3fn) in saved
+
+
+# ----------------------------------------------------------------------------- the model against transformers + PEFT
+def _round_base_to_fp8(model, arch):
+    """transformers' model with every weight ``quantize_base fp8`` quantizes rounded as the reference rounds it."""
+    from megablocks_utils.model.architectures import spec_for
+    from megablocks_utils.model.quantized_base import dense_linears
+
+    spec = spec_for(model.config)
+    with torch.no_grad():
+        for linear in dense_linears(model).values():
+            linear.weight.copy_(fp8_rounded(linear.weight))
+        for name, module in model.named_modules():
+            if name.endswith(f".{spec.block_attr}.{spec.experts_attr}"):
+                for proj in ("gate_up_proj", "down_proj"):
+                    w = getattr(module, proj)
+                    w.copy_(fp8_rounded(w.transpose(-2, -1)).transpose(-2, -1) if spec.experts_transposed else fp8_rounded(w))
+
+
+def check_fp8_base_matches_peft(rank, world, ep_size, cases):
+    from peft import get_peft_model, get_peft_model_state_dict
+    from test_equivalence import make_batch, rank_loss
+    from transformers import AutoModelForCausalLM
+
+    import megablocks_utils.moe.layer as moe_layer
+    from megablocks_utils import build_mesh, shard_moe
+    from megablocks_utils.model.lora import LoraSettings, add_lora, load_peft_tensors, merge_adapters, parse_targets, peft_config, peft_tensors
+    from megablocks_utils.model.quantized_base import dequantize_base
+    from megablocks_utils.parallel.parallelize import parallelize
+
+    for arch, grouped, checkpointing in cases:
+        moe_layer.grouped_mm_supported = (lambda x: True) if grouped else (lambda x: False)
+        config = tiny_moe_config(arch)
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(config).float()
+        model = copy.deepcopy(base)
+        _round_base_to_fp8(base, arch)
+        lora = LoraSettings(r=R, alpha=ALPHA, dropout=0.0, targets=parse_targets("auto"))
+        mesh = build_mesh(ep_size, "cpu")
+        shard_moe(model, mesh, device="cpu", quantize_base="fp8")
+        found = add_lora(model, mesh, lora, torch.float32)
+        parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing=checkpointing, device="cpu")
+        kinds = {type(m).__name__ for m in model.modules()}
+        assert "QuantizedLinear" in kinds and "QuantizedWeight" in kinds and "Linear" in kinds  # lm_head stays
+        assert found.experts and found.linears
+
+        reference = get_peft_model(base, peft_config(lora, found, "", inference_mode=False))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        load_peft_tensors(model, get_peft_model_state_dict(reference))
+        input_ids, mask, labels = make_batch(config.vocab_size)
+        ref_out = reference(input_ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        ref_out.loss.backward()
+        rows, out, _, loss = rank_loss(model, mesh, config, input_ids, mask, labels, rank, world)
+        loss.backward()
+        where = f"{arch}, grouped {grouped}, {checkpointing}"
+        global_loss = loss.detach() / world
+        torch.distributed.all_reduce(global_loss)
+        assert rel_err(global_loss, ref_out.loss) <= TOL, (where, float(global_loss), float(ref_out.loss))
+        assert rel_err(out.logits, ref_out.logits[rows]) <= TOL, where
+        grads = peft_tensors(model, grads=True)
+        ref_grads = {n.replace(".default", ""): p.grad for n, p in reference.named_parameters() if "lora_" in n}
+        assert set(grads) == set(ref_grads)
+        for key, grad in grads.items():
+            assert rel_err(grad, ref_grads[key]) <= TOL, (where, key, rel_err(grad, ref_grads[key]))
+        dequantize_base(model, torch.float32)  # the merged export: the rounded base in fp32, plus s B A
+        assert not any(isinstance(m, QuantizedWeight) for m in model.modules())
+        merge_adapters(model)
+        if world > 1:  # FSDP's dense units no longer hold the new weights: what export_hf writes, not a forward
+            continue
+        with torch.no_grad():
+            merged = model(input_ids[rows], attention_mask=mask[rows]).logits
+        assert rel_err(merged, ref_out.logits[rows]) <= TOL, (where, "merged")
+
+
+@pytest.mark.parametrize("ep,cases", [
+    (1, [("mixtral", False, "none"), ("mixtral", True, "none"), ("qwen3_moe", True, "selective"), ("gpt_oss", True, "none"),
+         ("gpt_oss", False, "full")]),
+    (2, [("mixtral", True, "full"), ("gpt_oss", False, "none")]),
+], ids=["one-rank", "ep2"])
+def test_lora_over_fp8_base_matches_peft_over_the_rounded_weights(ep, cases):
+    """Loss, logits and every adapter gradient equal PEFT's on transformers' model whose base weights are rounded to FP8
+    by the reference above (fp32, 1e-5), on the per-expert loop and the grouped GEMMs, with activation checkpointing, on
+    one rank and at ep 2; the merged model (dequantized, then merged) gives the same logits."""
+    run_ranks(check_fp8_base_matches_peft, ep, ep, cases)
+
+
+# ----------------------------------------------------------------------------- settings and the script
+@pytest.mark.parametrize("changes,message", [
+    (dict(finetuning="full"), "--quantize_base fp8 holds frozen weights quantized, which only --finetuning lora has"),
+    (dict(quantize_base="int4"), "--quantize_base 'int4': choose one of none, fp8"),
+])
+def test_bad_quantize_base_names_the_fix(changes, message):
+    from megablocks_utils.model.quantized_base import check_quantize_base
+
+    settings = dict(quantize_base="fp8", finetuning="lora", device_type="cpu", world_size=2)
+    with pytest.raises(InputError) as error:
+        check_quantize_base(**{**settings, **changes})
+    assert message in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("capability,world,message", [
+    ((8, 0), 1, "needs float8, which this GPU (A100, sm80) lacks"),
+    ((9, 0), 2, "has run on 1 GPU so far, not yet on 2"),
+    ((9, 0), 1, None),
+])
+def test_quantized_base_guards_on_gpus(monkeypatch, capability, world, message):
+    """Before sm89, one clear error; above the GPU count it has run on, refused (the guard QUANTIZED_BASE_RAN_ON_GPUS)."""
+    from megablocks_utils.model import quantized_base
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "A100")
+    check = lambda: quantized_base.check_quantize_base("fp8", finetuning="lora", device_type="cuda", world_size=world)  # noqa: E731
+    if message is None:
+        check()
+        return
+    with pytest.raises(InputError) as error:
+        check()
+    assert message in str(error.value), str(error.value)
+
+
+def test_train_fsdp2_lora_over_fp8_base(tiny_model_dir, small_data, tmp_path):
+    """Two ranks at ep 2 load the base into FP8 (each layer's experts as read), say so first, train the adapters (the
+    loss falls), write final/ as a PEFT adapter of the original model and merged/ dequantized."""
+    out = str(tmp_path / "run")
+    result = train_fsdp2(2, out, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS, "--finetuning", "lora",
+                         "--quantize_base", "fp8", "--merge_lora", "true")
+    assert "frozen base: experts in fp8" in result.stdout and "linear layers in fp8" in result.stdout, result.stdout[-2000:]
+    losses = [r["loss"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+    assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0], losses
+    assert os.path.isfile(os.path.join(out, "final", "adapter_model.safetensors"))
+    assert os.path.isfile(os.path.join(out, "merged", "config.json"))
