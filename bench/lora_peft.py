@@ -150,6 +150,8 @@ def main() -> None:
                         "transformers always full logits")
     p.add_argument("--adapter_dtype", choices=["fp32", "bf16"], default="fp32",
                    help="ours: bf16 adapters trained by adamw_bf16 (the script's --optim adamw_bf16) instead of fp32 + AdamW")
+    p.add_argument("--quantize_base", choices=["none", "fp8"], default="none",
+                   help="ours: the frozen experts and linear layers held in FP8 (the script's --quantize_base)")
     p.add_argument("--attn", default="varlen", help="varlen (GPU), sdpa, flex_attention, eager")
     p.add_argument("--data", choices=["random", *DATA_FILES], default="random", help="random tokens, or the repo's records")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "tiny-mixtral"),
@@ -164,8 +166,8 @@ def main() -> None:
                    help="instead of training: what one micro-batch's forward saves for the backward, by shape (no weights)")
     args = p.parse_args()
     if args.variant == "peft" and (args.ac == "selective" or args.ac_layers != -1 or args.checkpoint_experts or args.loss == "chunked"
-                                   or args.adapter_dtype != "fp32"):
-        p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked and --adapter_dtype bf16 are ours only")
+                                   or args.adapter_dtype != "fp32" or args.quantize_base != "none"):
+        p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked, --adapter_dtype bf16 and --quantize_base are ours only")
     args.compile_dense = args.variant == "ours" if args.compile_dense == "default" else args.compile_dense == "true"
     chunked = args.variant == "ours" and args.loss != "full"
 
@@ -212,7 +214,7 @@ def main() -> None:
     record = {"variant": args.variant, "device": torch.cuda.get_device_name() if cuda else "cpu", "model": os.path.basename(args.model_config),
               "layers": args.layers, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "r": args.r,
               "ac": args.ac, "ac_layers": args.ac_layers, "checkpoint_experts": args.checkpoint_experts, "compile_dense": args.compile_dense, "chunked_loss": chunked,
-              "adapter_dtype": args.adapter_dtype, "gpu_memory_gib": args.gpu_memory_gib or None, "attention": attention, "data": args.data, "lr": args.lr,
+              "adapter_dtype": args.adapter_dtype, "quantize_base": args.quantize_base, "gpu_memory_gib": args.gpu_memory_gib or None, "attention": attention, "data": args.data, "lr": args.lr,
               "date": date.today().isoformat(), "torch": torch.__version__}
     try:
         if args.data == "random":
@@ -241,7 +243,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.empty_cache()
             mesh = build_mesh(1, device.type)
-            shard_moe(model, mesh, device=device)
+            shard_moe(model, mesh, device=device, quantize_base=args.quantize_base)
             add_lora(model, mesh, lora, torch.bfloat16 if args.adapter_dtype == "bf16" and cuda else torch.float32)
             if chunked:
                 install_loss_head(model, fuse=args.compile_dense)

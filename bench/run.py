@@ -540,8 +540,9 @@ def profile(s: Session) -> str:
 # of the step's work without one). A model's build and start are guessed at 80 s at 48 layers.
 LORA_MICRO_STEP_S = {"ours:none": 0.47, "ours:selective": 0.55, "ours:full": 0.63, "peft:full": 1.05}
 # A run's checkpointing may carry ours' options, joined by "+": "experts" (--checkpoint_experts), "bf16"
-# (--adapter_dtype bf16: bf16 adapters trained by adamw_bf16), "L<n>" (--ac_layers n). E.g. ours:none+experts+bf16.
-LORA_OPTIONS = {"experts": ["--checkpoint_experts"], "bf16": ["--adapter_dtype", "bf16"]}
+# (--adapter_dtype bf16: bf16 adapters trained by adamw_bf16), "fp8" (--quantize_base fp8: the frozen base in FP8),
+# "L<n>" (--ac_layers n). E.g. ours:none+experts+bf16.
+LORA_OPTIONS = {"experts": ["--checkpoint_experts"], "bf16": ["--adapter_dtype", "bf16"], "fp8": ["--quantize_base", "fp8"]}
 
 
 def lora_options(mods: list[str]) -> list[str]:

@@ -230,3 +230,33 @@ def test_train_fsdp2_lora_over_fp8_base(tiny_model_dir, small_data, tmp_path):
     assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0], losses
     assert os.path.isfile(os.path.join(out, "final", "adapter_model.safetensors"))
     assert os.path.isfile(os.path.join(out, "merged", "config.json"))
+
+
+KERNEL_CHECK = """
+import json, torch
+from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm
+from megablocks_utils.moe.quantized import dequantize, quantize_fp8
+g = torch.Generator().manual_seed(0)
+out = {}
+for n, k, counts, config in [(160, 200, [5, 0, 40, 19], (16, 32, 32, 4, 1)), (256, 128, [70, 3], (32, 64, 64, 4, 1))]:
+    data, scale = quantize_fp8(torch.randn(len(counts), n, k, generator=g))
+    w = dequantize("fp8", data, scale, torch.float32)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = int(offs[-1])
+    for transpose in (True, False):
+        x = torch.randn(rows + 3, k if transpose else n, generator=g)  # 3 padding rows past the last offset
+        got = fp8_grouped_mm(x, data, scale, offs, transpose, config)[:rows]
+        ref = torch.nn.functional.grouped_mm(x[:rows], w.transpose(-2, -1) if transpose else w, offs=offs)
+        out[f"{n}x{k}_{transpose}"] = float((got - ref).abs().max() / ref.abs().max())
+print(json.dumps(out))
+"""
+
+
+def test_fp8_grouped_kernel_equals_dequantized_grouped_mm():
+    """The GPU kernel (Triton's interpreter on CPU): each expert's rows times its dequantized weight, both ways (the
+    forward's W^T and the input gradient's W), ragged blocks, an expert with no rows, tiles finding their expert from
+    the counts on the device."""
+    from conftest import run_in_triton_interpreter
+
+    errors = run_in_triton_interpreter(KERNEL_CHECK)
+    assert len(errors) == 4 and max(errors.values()) < 1e-5, errors

@@ -84,6 +84,23 @@ def _product(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor | None) -> t
     return grouped_mm(x, w_t, offs) if offs is not None else x @ w_t
 
 
+def _in_kernel(x: torch.Tensor, fmt: str, offs: torch.Tensor | None) -> bool:
+    """Whether the grouped GEMM dequantizes inside our Triton kernel (``fp8_gemm_kernel.py``): FP8 experts on a GPU in
+    bf16. Elsewhere (CPU, one expert's or a linear layer's matrix, MXFP4) the weight is dequantized first."""
+    return x.is_cuda and offs is not None and fmt == "fp8" and x.dtype == torch.bfloat16
+
+
+def _frozen_product(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None,
+                    transpose: bool) -> torch.Tensor:
+    """x @ W^T (``transpose``) or x @ W, for W [.., out, in] held quantized."""
+    if _in_kernel(x, fmt, offs):
+        from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm  # Triton: imported where a GPU runs it
+
+        return fp8_grouped_mm(x, data, scale, offs, transpose)
+    w = dequantize(fmt, data, scale, x.dtype)
+    return _product(x, w.transpose(-2, -1) if transpose else w, offs)
+
+
 class _FrozenMatmul(torch.autograd.Function):
     """x @ W^T with W [.., out, in] dequantized from (``data``, ``scale``) here and again in the backward: the saved
     tensors are the quantized ones. Only the input's gradient (the weight is frozen)."""
@@ -92,14 +109,14 @@ class _FrozenMatmul(torch.autograd.Function):
     def forward(ctx, x, data, scale, offs, fmt):
         ctx.fmt = fmt
         ctx.save_for_backward(data, scale, offs)
-        return _product(x, dequantize(fmt, data, scale, x.dtype).transpose(-2, -1), offs)
+        return _frozen_product(x, fmt, data, scale, offs, transpose=True)
 
     @staticmethod
     def backward(ctx, grad):
         data, scale, offs = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        return _product(grad.contiguous(), dequantize(ctx.fmt, data, scale, grad.dtype), offs), None, None, None, None
+        return _frozen_product(grad.contiguous(), ctx.fmt, data, scale, offs, transpose=False), None, None, None, None
 
 
 def frozen_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""LoRA over an FP8 base on one GPU (``--quantize_base fp8``): the same model as over a bf16 base holding the FP8 weights'
+values (the experts' grouped GEMMs, the per-expert loop, compiled attention), nothing of the dequantized weights kept for
+the backward, and no host sync in the experts at ep 1 (megablocks_utils/moe/quantized.py)."""
+
+import copy
+
+import torch
+
+from .launch import gpus, host_sync_error, run_on_gpus
+
+pytestmark = gpus(1)
+SHAPE = dict(hidden_size=512, intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, vocab_size=1024)
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12))
+
+
+def _models(loop: bool):
+    """(ours over the FP8 base, ours over a bf16 base holding the dequantized FP8 values), the same adapters (B non-zero)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    import megablocks_utils.moe.layer as moe_layer
+    from megablocks_utils import build_mesh, shard_moe
+    from megablocks_utils.model.lora import LoraSettings, add_lora, load_peft_tensors, parse_targets, peft_tensors
+    from megablocks_utils.moe.quantized import QuantizedLinear, QuantizedWeight
+    from megablocks_utils.parallel.parallelize import parallelize
+
+    if loop:
+        moe_layer.grouped_mm_supported = lambda x: False
+    torch.manual_seed(0)
+    config = MixtralConfig(**SHAPE, attn_implementation="sdpa")
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    mesh = build_mesh(1, "cuda")
+    lora = LoraSettings(r=16, alpha=32, dropout=0.0, targets=parse_targets("auto"))
+    quantized, plain = copy.deepcopy(base), base
+    shard_moe(quantized, mesh, device="cuda", quantize_base="fp8")
+    shard_moe(plain, mesh, device="cuda")
+    with torch.no_grad():  # the bf16 base: the FP8 weights' values
+        named = dict(quantized.named_modules())
+        for name, module in plain.named_modules():
+            twin = named[name]
+            if isinstance(twin, QuantizedLinear):
+                module.weight.copy_(twin.weight.dequantized(torch.bfloat16))
+            for proj in ("gate_up_proj", "down_proj"):
+                if isinstance(getattr(twin, proj, None), QuantizedWeight):
+                    getattr(module, proj).to_local().copy_(getattr(twin, proj).dequantized(torch.bfloat16))
+    for model in (quantized, plain):
+        add_lora(model, mesh, lora, torch.float32)
+        parallelize(model, mesh, param_dtype=torch.bfloat16, compile_dense=True, device="cuda")
+    g = torch.Generator().manual_seed(1)
+    adapters = {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in peft_tensors(plain).items()}
+    for model in (quantized, plain):
+        load_peft_tensors(model, adapters)
+    return quantized, plain
+
+
+def equal_to_bf16_base(rank, world, loop):
+    from megablocks_utils import causal_lm_loss_sum
+    from megablocks_utils.model.lora import peft_tensors
+
+    quantized, plain = _models(loop)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 256), device="cuda")
+    out = {}
+    for name, model in (("fp8", quantized), ("bf16", plain)):
+        logits = model(ids).logits
+        causal_lm_loss_sum(logits, ids).backward()
+        out[name] = (logits.detach(), peft_tensors(model, grads=True))
+    (lq, gq), (lp, gp) = out["fp8"], out["bf16"]
+    return {"logits": rel(lq, lp), "grads": max(rel(gq[k], gp[k]) for k in gp), "keys": len(gp)}
+
+
+def test_fp8_base_equals_bf16_base_of_its_values_grouped():
+    result = run_on_gpus(equal_to_bf16_base, 1, False)[0]
+    assert result["keys"] > 0 and result["logits"] < 2e-2 and result["grads"] < 5e-2, result
+
+
+def test_fp8_base_equals_bf16_base_of_its_values_loop():
+    result = run_on_gpus(equal_to_bf16_base, 1, True)[0]
+    assert result["keys"] > 0 and result["logits"] < 2e-2 and result["grads"] < 5e-2, result
+
+
+def saved_and_synced(rank, world):
+    """What one MoE layer over the FP8 base saves for its backward (shapes and dtypes), and any host sync it makes."""
+    from types import SimpleNamespace
+
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+    from megablocks_utils.moe.quantized import quantize_weight
+
+    experts = ExpertParallelExperts(8, SimpleNamespace(ep_size=1), "silu")
+    shapes = [(8, 2048, 512), (8, 512, 1024)]
+    experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16), requires_grad=False)
+                          for s in shapes))
+    experts.set_quantized_weights(*(quantize_weight(w.detach()) for w in (experts.gate_up_proj, experts.down_proj)))
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    top_w, top_i = torch.rand(4096, 2, device="cuda").softmax(-1), torch.randint(0, 8, (4096, 2), device="cuda")
+    experts(x, top_i, top_w).float().square().sum().backward()  # warm-up: compiles
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append([list(t.shape), str(t.dtype)]) or t, lambda t: t):
+        y = experts(x, top_i, top_w)
+    sync = host_sync_error(lambda: experts(x, top_i, top_w).float().square().sum().backward())
+    return {"saved": saved, "sync": sync, "finite": bool(torch.isfinite(y).all())}
+
+
+def test_fp8_experts_keep_no_dequantized_weight_and_make_no_host_sync():
+    result = run_on_gpus(saved_and_synced, 1)[0]
+    assert result["finite"] and result["sync"] == "", result["sync"]
+    weights = [[8, 2048, 512], [8, 512, 1024]]
+    assert [[s, "torch.bfloat16"] for s in weights if [s, "torch.bfloat16"] in result["saved"]] == [], result["saved"]
+    assert [[8, 2048, 512], "torch.float8_e4m3fn"] in result["saved"], result["saved"]
