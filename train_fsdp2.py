@@ -94,7 +94,7 @@ from megablocks_utils.errors import CheckpointError, InputError, NonFiniteStep  
 from megablocks_utils.model.architectures import spec_for  # noqa: E402
 from megablocks_utils.model.attention import choose_attention  # noqa: E402
 from megablocks_utils.model.lora import check_lora  # noqa: E402
-from megablocks_utils.model.quantized_base import check_quantize_base  # noqa: E402
+from megablocks_utils.model.quantized_base import check_quantize_base, released_format  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
@@ -132,12 +132,13 @@ try:
     if report_to == "tensorboard":
         require_tensorboard()
     num_experts, experts_name, model_config = check_data_and_model(data_path, eval_data_path, eval_split, model_name_or_path,
-                                                                  attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
+                                                                  attn_implementation, "cuda" if torch.cuda.is_available() else "cpu",
+                                                                  quantized_ok=finetuning == "lora" and quantize_base == "fp8")
     check_checkpointed_layers(activation_checkpointing_layers, model_config.num_hidden_layers)
     lora = check_lora(model_config, finetuning=finetuning, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_target_modules,
                       moe_backend=moe_backend, load_balance_coeff=load_balance_coeff, merge_lora=merge_lora)  # None: a full fine-tune
     check_quantize_base(quantize_base, finetuning=finetuning, device_type="cuda" if torch.cuda.is_available() else "cpu",
-                        world_size=int(os.environ.get("WORLD_SIZE", 1)))
+                        world_size=int(os.environ.get("WORLD_SIZE", 1)), released=released_format(model_name_or_path))
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     # ep_capacity_factor auto: the static exchange with whole micro-steps as CUDA graphs where that ran, else the exact one
     factor_auto = ep_capacity_factor == AUTO
@@ -293,7 +294,7 @@ plan_for = functools.partial(
     activation_checkpointing=activation_checkpointing, activation_checkpointing_layers=activation_checkpointing_layers,
     finetuning=finetuning, lora_r=lora_r, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
     chunked_loss=chunked_loss, checkpoint_experts=checkpoint_experts, ep_capacity_factor=ep_capacity_factor,
-    recompute_swiglu=recompute_swiglu)
+    recompute_swiglu=recompute_swiglu, quantize_base=quantize_base)
 # FSDP's units of the dense weights: "auto" gathers them all at once where ep covers every rank and that fits with room
 # (auto's factor needs them whole on every rank: where that does not fit it is dropped and the units chosen without it)
 fsdp_wrap, ep_capacity_factor, wrap_note = resolve_wrap_and_factor(

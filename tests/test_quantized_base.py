@@ -260,3 +260,156 @@ def test_fp8_grouped_kernel_equals_dequantized_grouped_mm():
 
     errors = run_in_triton_interpreter(KERNEL_CHECK)
     assert len(errors) == 4 and max(errors.values()) < 1e-5, errors  # the second shape computes the product transposed
+
+
+# ----------------------------------------------------------------------------- checkpoints released quantized
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A released FP8 weight as the reference writes it: float8 data, one scale per 128 x 128 block (ragged at the
+    edges), and the values they hold (fp32)."""
+    n, k = w.shape
+    data, values = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, k)
+    scale = torch.empty(-(-n // 128), -(-k // 128))
+    for i in range(0, n, 128):
+        for j in range(0, k, 128):
+            block = w[i:i + 128, j:j + 128].float()
+            scale[i // 128, j // 128] = s = block.abs().max() / 448
+            data[i:i + 128, j:j + 128] = (block / s).to(torch.float8_e4m3fn)
+            values[i:i + 128, j:j + 128] = data[i:i + 128, j:j + 128].float() * s
+    return data, scale, values
+
+
+def write_fp8_release(path: str, reference_path: str) -> None:
+    """A tiny Qwen3-MoE checkpoint as Qwen3's FP8 release lays it out (hub names per expert; every expert and attention
+    projection in float8 with ``weight_scale_inv``; the rest bf16), and beside it the same weights' values in fp32 (the
+    reference transformers loads)."""
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.model.export import hub_state_dict, write_shards
+
+    config = tiny_moe_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
+    torch.manual_seed(5)
+    tensors = hub_state_dict(AutoModelForCausalLM.from_config(config))
+    released, values = {}, {}
+    for name, value in tensors.items():
+        if name.endswith("_proj.weight") and (".experts." in name or ".self_attn." in name):
+            released[name], released[name + "_scale_inv"], values[name] = fp8_blocks(value)
+        else:
+            released[name] = value.to(torch.bfloat16)
+            values[name] = released[name].float()
+    for folder, weights in ((path, released), (reference_path, values)):
+        names = sorted(weights)
+        os.makedirs(folder)
+        write_shards(folder, [{n: weights[n] for n in names[i::2]} for i in range(2)])
+        config.save_pretrained(folder)
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    config.save_pretrained(path)
+
+
+def _tensor(path: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as handle:
+                if name in handle.keys():
+                    return handle.get_tensor(name)
+    raise KeyError(name)
+
+
+def check_fp8_release(rank, world, path, reference_path):
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils import load_model
+    from megablocks_utils.moe.quantized import QuantizedLinear
+
+    model, _ = load_model(path, 1, device="cpu", quantize_base="fp8")
+    up = _tensor(path, "model.layers.1.mlp.experts.2.up_proj.weight")
+    q = _tensor(path, "model.layers.0.self_attn.q_proj.weight")
+    gate_up, q_proj = model.model.layers[1].mlp.experts.gate_up_proj, model.model.layers[0].self_attn.q_proj
+    same_bytes = (isinstance(q_proj, QuantizedLinear) and torch.equal(gate_up.data[2, 128:].view(torch.uint8), up.view(torch.uint8))
+                  and torch.equal(q_proj.weight.data.view(torch.uint8), q.view(torch.uint8)))
+    reference = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch.float32)
+    ids = torch.tensor([[1, 7, 42, 9, 3, 50, 17, 5]])
+    model.eval()
+    err = rel_err(model(ids).logits, reference(ids).logits)
+    assert same_bytes and err <= TOL, (same_bytes, err)
+
+
+def test_fp8_release_loads_as_released(tmp_path):
+    """Qwen3's FP8 layout: experts and attention kept as the checkpoint's bytes (no round trip through bf16), the model
+    gives the logits of transformers' model holding the released values; without --quantize_base fp8 the checkpoint is
+    refused with what to do."""
+    from megablocks_utils.model.loading import check_model_dir
+
+    path, reference_path = str(tmp_path / "fp8"), str(tmp_path / "values")
+    write_fp8_release(path, reference_path)
+    with pytest.raises(InputError) as error:
+        check_model_dir(path)
+    assert "holds FP8 block-scaled weights" in str(error.value) and "--finetuning lora --quantize_base fp8" in str(error.value)
+    assert check_model_dir(path, quantized_ok=True)[0] == 4
+    run_ranks(check_fp8_release, 1, path, reference_path)
+
+
+def write_mxfp4_release(path: str, reference_path: str) -> None:
+    """A tiny gpt-oss checkpoint as gpt-oss is released (each layer's experts as ``*_blocks`` and ``*_scales``, the rest
+    unquantized), and beside it transformers' own dequantization of the experts with the attention projections rounded
+    to FP8 by the reference above (what ``--quantize_base fp8`` holds them as)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from megablocks_utils.model.export import hub_state_dict, write_shards
+
+    config = tiny_moe_config("gpt_oss")
+    torch.manual_seed(6)
+    tensors = hub_state_dict(AutoModelForCausalLM.from_config(config))
+    g = torch.Generator().manual_seed(7)
+    released, values = {}, {}
+    for name, value in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] in transformers' layout
+            experts, k, n = value.shape
+            blocks = torch.randint(0, 256, (experts, n, k // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(120, 126, (experts, n, k // 32), generator=g, dtype=torch.uint8)
+            released[name + "_blocks"], released[name + "_scales"] = blocks, scales
+            values[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            released[name] = value
+            values[name] = fp8_rounded(value) if ".self_attn." in name and name.endswith("_proj.weight") else value
+    for folder, weights in ((path, released), (reference_path, values)):
+        os.makedirs(folder)
+        write_shards(folder, [weights])
+        config.save_pretrained(folder)
+
+
+def check_mxfp4_release(rank, world, path, reference_path):
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils import load_model
+
+    model, _ = load_model(path, 1, device="cpu", quantize_base="fp8")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.fmt == "mxfp4" and experts.gate_up_proj.data.dtype == torch.uint8
+    assert torch.equal(experts.down_proj.data, _tensor(path, "model.layers.0.mlp.experts.down_proj_blocks"))
+    reference = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch.float32)
+    ids = torch.tensor([[1, 7, 42, 9, 3, 50, 17, 5]])
+    model.eval()
+    err = rel_err(model(ids).logits, reference(ids).logits)
+    assert err <= TOL, err
+
+
+def test_mxfp4_release_keeps_gpt_oss_experts_in_mxfp4(tmp_path, monkeypatch):
+    """gpt-oss's released MXFP4 experts stay MXFP4 (the checkpoint's bytes), the attention goes to FP8, and the model
+    gives the logits of transformers' model holding transformers' dequantization of the same bytes; without
+    --quantize_base fp8 the checkpoint is refused with what to do, and on a GPU (not yet run there) too."""
+    from megablocks_utils.model.loading import check_model_dir
+    from megablocks_utils.model.quantized_base import check_quantize_base, released_format
+
+    path, reference_path = str(tmp_path / "mxfp4"), str(tmp_path / "values")
+    write_mxfp4_release(path, reference_path)
+    with pytest.raises(InputError) as error:
+        check_model_dir(path)
+    assert "holds MXFP4-quantized experts" in str(error.value) and "--quantize_base fp8" in str(error.value)
+    assert released_format(path) == "mxfp4" and released_format(reference_path) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(InputError, match="mxfp4 experts have not run on a GPU yet"):
+        check_quantize_base("fp8", finetuning="lora", device_type="cuda", world_size=1, released="mxfp4")
+    run_ranks(check_mxfp4_release, 1, path, reference_path)

@@ -133,9 +133,10 @@ def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool,
 
 
 def check_data_and_model(data_path: str, eval_data_path: str, eval_split: float, model_name_or_path: str,
-                         attn_implementation: str, device_type: str):
+                         attn_implementation: str, device_type: str, quantized_ok: bool = False):
     """Both scripts' checks of the data files and the model directory, from small files only (the records,
-    config.json, the safetensors index, the tokenizer files), before the process group.
+    config.json, the safetensors index, the tokenizer files), before the process group. ``quantized_ok``: a checkpoint
+    released quantized is taken (LoRA's ``quantize_base``).
 
     Returns ``(num_experts, experts_name, model_config)``: the model's expert count and the name of its config field
     (``None, ""`` for the embedded default, made later from known settings) and its config.
@@ -154,7 +155,7 @@ def check_data_and_model(data_path: str, eval_data_path: str, eval_split: float,
     if default_model_pending(model_name_or_path):
         num_experts, experts_name, model_config = None, "", load_config({"model_type": "mixtral", **TINY_CONFIG})
     else:
-        num_experts, experts_name = check_model_dir(model_name_or_path)
+        num_experts, experts_name = check_model_dir(model_name_or_path, quantized_ok)
         check_tokenizer_files(model_name_or_path)
         model_config = load_config(model_name_or_path)
     choose_attention(attn_implementation, model_config, device_type)  # an impossible kernel stops here

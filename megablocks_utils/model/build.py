@@ -11,7 +11,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
 from megablocks_utils.model.attention import choose_attention
-from megablocks_utils.model.loading import Checkpoint, expert_layout, load_local_experts
+from megablocks_utils.model.loading import (
+    FP8_SCALE_SUFFIX,
+    Checkpoint,
+    checkpoint_quantization,
+    expert_layout,
+    load_local_experts,
+    load_local_quantized_experts,
+)
 from megablocks_utils.model.quantized_base import quantize_linears
 from megablocks_utils.moe.blocks import moe_blocks, remember_moe_blocks
 from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
@@ -82,8 +89,10 @@ def expert_options(spec: MoESpec, config) -> dict:
     return options
 
 
-def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> None:
-    """Allocate the meta skeleton's dense tensors on ``device`` and fill them from the checkpoint."""
+def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device: torch.device) -> dict:
+    """Allocate the meta skeleton's dense tensors on ``device`` and fill them from the checkpoint. A linear layer's weight
+    released in FP8 (with ``weight_scale_inv``) is not read into it: returned as {module name: (fp8 data, scales)} on
+    ``device``, for its ``QuantizedLinear`` (``quantized_base.quantize_linears``)."""
     model.to_empty(device=device)
     for module in model.modules():  # a checkpoint without the routers' selection bias means zeros
         if isinstance(module, TopKRouter) and module.bias_name is not None:
@@ -96,13 +105,23 @@ def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device
     targets = dict(model.named_parameters())
     targets.update(model.state_dict(keep_vars=True))  # persistent buffers too
     loaded = set()
+    released = {}
+    fp8_weights = {n[: -len(FP8_SCALE_SUFFIX)] for n in ckpt.names() if n.endswith(".weight" + FP8_SCALE_SUFFIX)}
     # Tensors without a place that transformers' from_pretrained ignores too: DeepSeek-V3's MTP layer (model.layers.61.*).
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     with torch.no_grad():
         for name in ckpt.names():
-            if spec.is_expert_name(name):
+            if spec.is_expert_name(name) or name.endswith(FP8_SCALE_SUFFIX):
                 continue
             target = spec.hub_to_model(name)
+            if name in fp8_weights and target in targets:  # kept as released, for the layer's QuantizedLinear
+                value, scale = ckpt.get(name), ckpt.get(name + FP8_SCALE_SUFFIX)
+                if tuple(value.shape) != tuple(targets[target].shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} but the model expects "
+                                     f"{tuple(targets[target].shape)}; config.json does not match the weights")
+                released[target.removesuffix(".weight")] = (value.to(device), scale.float().to(device))
+                loaded.add(target)
+                continue
             if target not in targets:
                 if "rotary_emb.inv_freq" in target:  # old checkpoints carry it; it is recomputed above
                     continue
@@ -126,6 +145,7 @@ def _materialize_dense(model: nn.Module, ckpt: Checkpoint, spec: MoESpec, device
     missing = sorted(set(dict(model.named_parameters())) - loaded)  # experts are not attached yet
     if missing:
         raise ValueError(f"the checkpoint in {ckpt.model_dir} lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+    return released
 
 
 def shard_moe(
@@ -216,19 +236,31 @@ def shard_moe(
         )
 
     ckpt = Checkpoint(model_dir) if model_dir is not None else None
+    released = {}  # linear layers' weights released in FP8: kept as they are (quantize_base)
     if on_meta:
-        _materialize_dense(model, ckpt, spec, device)
+        released = _materialize_dense(model, ckpt, spec, device)
     else:
         model.to(device)
 
-    layout = expert_layout(ckpt.names(), spec, model_dir) if ckpt is not None else None
+    quantized_ok = quantize_base == "fp8"
+    layout = expert_layout(ckpt.names(), spec, model_dir, quantized_ok) if ckpt is not None else None
+    released_experts = ckpt is not None and checkpoint_quantization(ckpt.names()) is not None
     local = num_experts // mesh.ep_size
     mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
     layers = decoder_layers(model)
     for index, old in old_blocks.items():
         new = getattr(layers[index], spec.block_attr)
         dtype = new.top_k_router.weight.dtype
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in expert_shapes(spec, config, local)]
+        shapes = expert_shapes(spec, config, local)
+        if released_experts:  # as released, quantized; the bf16 gate_up and down are never made (biases are bf16)
+            tensors = [torch.empty(shape, dtype=dtype, device="meta" if i < 2 else device) for i, shape in enumerate(shapes)]
+            with torch.no_grad():
+                quantized = load_local_quantized_experts(ckpt, spec, layout, index, mine, config.hidden_size, intermediate,
+                                                         device, tensors[2:])
+            new.experts.set_weights(*(_as_expert_dtensor(t, mesh) for t in tensors))
+            new.experts.set_quantized_weights(*quantized)
+            continue
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         with torch.no_grad():
             if on_meta:
                 load_local_experts(ckpt, spec, layout, index, mine, intermediate, *tensors)
@@ -250,7 +282,9 @@ def shard_moe(
     if ckpt is not None:
         ckpt.close()
     if quantize_base == "fp8":
-        quantize_linears(model)
+        quantize_linears(model, released)
+    elif released:
+        raise ValueError("the checkpoint holds FP8 linear layers: load it with quantize_base fp8")
     remember_moe_blocks(model)
     model.register_forward_pre_hook(_start_recording_router)
     # transformers' own aux loss would look for its router class's outputs and find none; ours is

@@ -119,21 +119,49 @@ class Checkpoint:
         self._handles.clear()
 
 
+FP8_SCALE_SUFFIX = "_scale_inv"  # FP8 checkpoints: <module>.weight (float8 e4m3) and <module>.weight_scale_inv (fp32 blocks)
+MXFP4_SUFFIXES = ("_blocks", "_scales")  # gpt-oss's released experts: <stacked name>_blocks and <stacked name>_scales
+
+
+def checkpoint_quantization(names: list[str]) -> str | None:
+    """How a checkpoint's weights are quantized as released: "mxfp4" (gpt-oss's experts), "fp8" (128 x 128 block-scaled
+    e4m3, as Qwen3's and GLM-4.5's FP8 releases), or None (bf16 or fp32)."""
+    if any(".experts." in n and n.endswith(MXFP4_SUFFIXES) for n in names):
+        return "mxfp4"
+    if any(n.endswith(".weight" + FP8_SCALE_SUFFIX) for n in names):
+        return "fp8"
+    return None
+
+
 def check_not_quantized(names: list[str], spec: MoESpec, model_dir: str) -> None:
-    """Released gpt-oss checkpoints hold MXFP4 experts (``*_blocks`` and ``*_scales`` tensors): not loadable here."""
-    quantized = [n for n in names if ".experts." in n and n.endswith(("_blocks", "_scales"))]
-    if quantized:
+    """A checkpoint released quantized trains only as LoRA's frozen base (``--quantize_base fp8``): elsewhere, one line
+    saying how to go on."""
+    fmt = checkpoint_quantization(names)
+    if fmt is None:
+        return
+    lora = "train LoRA over it as released with train_fsdp2.py --finetuning lora --quantize_base fp8"
+    if fmt == "mxfp4":
         raise InputError(
-            f"the checkpoint in {model_dir} holds MXFP4-quantized experts (e.g. {quantized[0]!r}), which this suite "
-            "cannot load or train; dequantize it with transformers first: "
-            "AutoModelForCausalLM.from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
-            ".save_pretrained(new_dir), then set model_name_or_path to new_dir"
+            f"the checkpoint in {model_dir} holds MXFP4-quantized experts (e.g. "
+            f"{next(n for n in names if n.endswith(MXFP4_SUFFIXES))!r}): {lora}; for a full fine-tune, dequantize it with "
+            "transformers first: AutoModelForCausalLM.from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True), "
+            "dtype=torch.bfloat16).save_pretrained(new_dir), then set model_name_or_path to new_dir"
         )
+    raise InputError(
+        f"the checkpoint in {model_dir} holds FP8 block-scaled weights (e.g. "
+        f"{next(n for n in names if n.endswith(FP8_SCALE_SUFFIX))!r}): {lora}; a full fine-tune needs the model's bf16 "
+        "checkpoint"
+    )
 
 
-def expert_layout(names: list[str], spec: MoESpec, model_dir: str) -> str:
-    """'hub' (the Hub's names: per expert, or stacked per layer for Granite and gpt-oss) or 'fused' (transformers 5)."""
-    check_not_quantized(names, spec, model_dir)
+def expert_layout(names: list[str], spec: MoESpec, model_dir: str, quantized_ok: bool = False) -> str:
+    """'hub' (the Hub's names: per expert, or stacked per layer for Granite and gpt-oss), 'fused' (transformers 5), or
+    'mxfp4' (gpt-oss's released experts). ``quantized_ok``: a checkpoint released quantized is taken (LoRA's
+    ``quantize_base``), else refused with how to go on (``check_not_quantized``)."""
+    if not quantized_ok:
+        check_not_quantized(names, spec, model_dir)
+    if checkpoint_quantization(names) == "mxfp4":
+        return "mxfp4"
     if spec.hub_stacked is not None:
         hub_example = spec.hub_stacked_names(0)[0]
     else:
@@ -163,6 +191,8 @@ def missing_expert_names(names: list[str], spec: MoESpec, layout: str, num_exper
     for layer in sorted(layers):
         if layout == "fused":
             wanted += spec.fused_names(layer)
+        elif layout == "mxfp4":
+            wanted += [name + suffix for name in spec.hub_stacked_names(layer) for suffix in MXFP4_SUFFIXES]
         elif spec.hub_stacked is not None:
             wanted += spec.hub_stacked_names(layer)
         else:
@@ -175,11 +205,12 @@ def missing_expert_names(names: list[str], spec: MoESpec, layout: str, num_exper
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def check_model_dir(model_dir: str) -> tuple[int | None, str]:
+def check_model_dir(model_dir: str, quantized_ok: bool = False) -> tuple[int | None, str]:
     """Check a model directory without loading it; return (number of experts, the config field naming it).
 
     config.json of a supported MoE model, every safetensors file there and whole, and expert weights
-    in a layout we know, complete in each layer. Reads only config.json, the index and file headers.
+    in a layout we know, complete in each layer (``quantized_ok``: a checkpoint released quantized too, for LoRA's
+    ``quantize_base``). Reads only config.json, the index and file headers.
     """
     if os.path.isfile(model_dir):
         raise InputError(
@@ -214,7 +245,7 @@ def check_model_dir(model_dir: str) -> tuple[int | None, str]:
     field = next((f for f in (spec.num_experts_attr, *EXPERT_COUNT_FIELDS) if isinstance(config.get(f), int)), None)
     num_experts = config[field] if field else None
     names = list(weight_map(model_dir))
-    layout = expert_layout(names, spec, model_dir)
+    layout = expert_layout(names, spec, model_dir, quantized_ok)
     if num_experts is not None:
         missing = missing_expert_names(names, spec, layout, num_experts)
         if missing:
@@ -311,3 +342,55 @@ def load_local_experts(
         _copy_checked(out_gate_up[i, :intermediate], ckpt.get(gate), gate)
         _copy_checked(out_gate_up[i, intermediate:], ckpt.get(up), up)
         _copy_checked(out_down[i], ckpt.get(down), down)
+
+
+def _fp8_pair(ckpt: Checkpoint, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A released FP8 weight and its block scales, checked against the shape config.json implies."""
+    data, scale = ckpt.get(name), ckpt.get(name + FP8_SCALE_SUFFIX)
+    blocks = tuple(-(-n // 128) for n in shape)
+    if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != shape or tuple(scale.shape) != blocks:
+        raise InputError(f"checkpoint tensor {name!r} is {data.dtype} {tuple(data.shape)} with scales {tuple(scale.shape)}, where "
+                         f"config.json implies float8_e4m3fn {shape} with 128 x 128 block scales {blocks}; the checkpoint is not "
+                         "block-scaled FP8 as Qwen3's and GLM-4.5's releases are")
+    return data, scale.float()
+
+
+def load_local_quantized_experts(ckpt: Checkpoint, spec: MoESpec, layout: str, layer: int, experts: range, hidden: int,
+                                 intermediate: int, device, out_biases=()) -> tuple:
+    """This rank's experts of ``layer`` as released quantized, without a bf16 copy: (gate_up, down) ``QuantizedWeight``;
+    ``out_biases`` (gate_up's [El, 2I] and down's [El, H], where the row has them) filled from the bf16 biases.
+
+    "mxfp4": gpt-oss's ``<stacked>_blocks`` and ``_scales``, row slices. "hub" with FP8 tensors: each expert's gate, up
+    and down with their block scales, gate and up stacked (which keeps each 128-row scale block whole only where the
+    moe width is a multiple of 128)."""
+    from megablocks_utils.moe.quantized import QuantizedWeight
+
+    for name, out in zip(spec.fused_bias_names(layer) if spec.expert_bias else (), out_biases):
+        _copy_checked(out, ckpt.get_rows(name, experts.start, experts.stop), name)
+    if layout == "mxfp4":
+        out = []
+        for name, (n, k) in zip(spec.hub_stacked_names(layer), ((2 * intermediate, hidden), (hidden, intermediate))):
+            blocks = ckpt.get_rows(name + "_blocks", experts.start, experts.stop)
+            scales = ckpt.get_rows(name + "_scales", experts.start, experts.stop)
+            if tuple(blocks.shape) != (len(experts), n, k // 32, 16) or tuple(scales.shape) != (len(experts), n, k // 32):
+                raise InputError(f"checkpoint tensors {name}_blocks {tuple(blocks.shape)} and _scales {tuple(scales.shape)} do not "
+                                 f"hold {n} x {k} MXFP4 weights per expert as config.json implies")
+            out.append(QuantizedWeight("mxfp4", blocks.to(device), scales.to(device), transposed=spec.experts_transposed))
+        return tuple(out)
+    if layout != "hub" or spec.hub_stacked is not None or spec.experts_transposed:
+        raise InputError(f"FP8 experts are read in the Hub's per-expert layout (Qwen3's and GLM-4.5's FP8 releases); this "
+                         f"{spec.model_type} checkpoint's are {layout}: dequantize it to bf16, or use --quantize_base fp8 on its bf16 checkpoint")
+    if intermediate % 128:
+        raise InputError(f"FP8 experts of moe width {intermediate} (not a multiple of 128) cannot stack gate and up with whole "
+                         "scale blocks; use the bf16 checkpoint with --quantize_base fp8 (quantized at load)")
+    gate_up, gate_up_scale, down, down_scale = [], [], [], []
+    for e in experts:
+        gate, up, down_name = spec.hub_expert_names(layer, e)
+        pairs = [_fp8_pair(ckpt, n, (intermediate, hidden)) for n in (gate, up)]
+        gate_up.append(torch.cat([d for d, _ in pairs]))
+        gate_up_scale.append(torch.cat([s for _, s in pairs]))
+        d, s = _fp8_pair(ckpt, down_name, (hidden, intermediate))
+        down.append(d)
+        down_scale.append(s)
+    return (QuantizedWeight("fp8", torch.stack(gate_up).to(device), torch.stack(gate_up_scale).to(device)),
+            QuantizedWeight("fp8", torch.stack(down).to(device), torch.stack(down_scale).to(device)))

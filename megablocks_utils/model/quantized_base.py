@@ -1,14 +1,17 @@
 """LoRA over a quantized base (``quantize_base``): which frozen weights are held quantized, checked before loading.
 
-- "fp8": every expert projection and every linear layer of the decoder layers held in FP8 (block-scaled e4m3,
-  ``moe/quantized.py``), quantized at load from a bf16 checkpoint (each layer's local experts as they are read, so no
-  rank ever holds its bf16 experts whole). The embeddings, lm_head, routers and norms stay in the compute dtype.
+- "fp8": every expert projection and every linear layer of the decoder layers held quantized (``moe/quantized.py``):
+  bf16 weights in FP8 (block-scaled e4m3), quantized as each layer's local experts are read, so no rank ever holds its
+  bf16 experts whole. The embeddings, lm_head, routers and norms stay in the compute dtype.
 - "none": the base in the compute dtype, as a full fine-tune loads it.
 Adapters are trained as over a bf16 base; ``final/`` is the same PEFT adapter of the original model, and the merged
 export dequantizes first (``dequantize_base``).
 
-Where it runs: one GPU of sm89 or newer (float8), and CPU ranks (the tests). Several GPUs have not run it: refused there
-until they have (``QUANTIZED_BASE_RAN_ON_GPUS``).
+A checkpoint released quantized keeps its format: FP8 block-scaled weights (``weight_scale_inv``) load as they are, and
+gpt-oss's MXFP4 experts stay MXFP4 (``loading.load_local_quantized_experts``); only bf16 weights are quantized.
+
+Where it runs: one GPU of sm89 or newer (float8), and CPU ranks (the tests). Several GPUs, and MXFP4 on any GPU, have
+not run it: refused there until they have (``QUANTIZED_BASE_RAN_ON_GPUS``, ``RAN_ON_GPUS``).
 """
 
 import torch
@@ -23,9 +26,16 @@ QUANTIZE_BASE = ("none", "fp8")
 QUANTIZED_BASE_RAN_ON_GPUS = 1
 
 
-def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str, world_size: int) -> None:
+# Released formats whose GEMMs have run on a GPU (tests/gpu): gpt-oss's MXFP4 experts are dequantized before their
+# grouped GEMM, checked on CPU against transformers' own dequantization, not yet run on a GPU.
+RAN_ON_GPUS = ("fp8",)
+
+
+def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str, world_size: int,
+                        released: str | None = None) -> None:
     """Refuse a quantized base where it cannot run, before anything loads: a full fine-tune (the base must train), a GPU
-    without float8 (before sm89), and more GPUs than it has run on."""
+    without float8 (before sm89), more GPUs than it has run on, and a released format (``released``:
+    ``loading.checkpoint_quantization``) that has not run on GPUs."""
     if quantize_base == "none":
         return
     if quantize_base not in QUANTIZE_BASE:
@@ -38,9 +48,23 @@ def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str
         if (major, minor) < (8, 9):
             raise InputError(f"--quantize_base fp8 needs float8, which this GPU ({torch.cuda.get_device_name()}, sm{major}{minor}) "
                              "lacks (sm89 and newer: L4, L40, H100, H200, B200); drop --quantize_base")
+        if released is not None and released not in RAN_ON_GPUS:
+            raise InputError(f"the checkpoint's {released} experts have not run on a GPU yet (their CPU path is tested); "
+                             "dequantize it to bf16 and train with --quantize_base fp8, which quantizes it at load")
         if world_size > QUANTIZED_BASE_RAN_ON_GPUS:
             raise InputError(f"--quantize_base {quantize_base} has run on {QUANTIZED_BASE_RAN_ON_GPUS} GPU so far, not yet on "
                              f"{world_size}: train on one GPU, or drop --quantize_base")
+
+
+def released_format(model_dir: str) -> str | None:
+    """How the checkpoint in ``model_dir`` is quantized as released (None: bf16, or no checkpoint there yet)."""
+    import os
+
+    from megablocks_utils.model.loading import checkpoint_quantization, weight_map
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return None
+    return checkpoint_quantization(list(weight_map(model_dir)))
 
 
 def dense_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -56,13 +80,23 @@ def dense_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return found
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Every ``dense_linears`` layer swapped for its FP8 ``QuantizedLinear`` (frozen); returns how many."""
+def quantize_linears(model: nn.Module, released: dict | None = None) -> int:
+    """Every ``dense_linears`` layer swapped for its FP8 ``QuantizedLinear`` (frozen): quantized from its weight, or
+    from ``released`` {module name: (fp8 data, block scales)} as the checkpoint holds it. Returns how many."""
     modules = dict(model.named_modules())
     linears = dense_linears(model)
+    released = dict(released or {})
     for name, linear in linears.items():
         parent, _, leaf = name.rpartition(".")
-        setattr(modules[parent], leaf, QuantizedLinear.from_linear(linear))
+        if name in released:
+            bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
+            quantized = QuantizedLinear(QuantizedWeight("fp8", *released.pop(name)), bias)
+        else:
+            quantized = QuantizedLinear.from_linear(linear)
+        setattr(modules[parent], leaf, quantized)
+    if released:
+        raise ValueError(f"FP8 weights of modules that are not the decoder layers' linear layers: {sorted(released)[:3]}; "
+                         "this suite keeps embeddings, lm_head and routers in the compute dtype (dequantize them in the checkpoint)")
     return len(linears)
 
 

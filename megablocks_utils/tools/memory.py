@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="true or false: recompute the routed experts of the layers not checkpointed")
     parser.add_argument("--recompute_swiglu", default=str(DEFAULTS["recompute_swiglu"]).lower(),
                         help="true or false: the experts' SwiGLU output made again in the backward, not kept")
+    parser.add_argument("--quantize_base", default=DEFAULTS["quantize_base"], choices=["none", "fp8"],
+                        help="lora: fp8 holds the frozen experts and linear layers in FP8")
     parser.add_argument("--fsdp_wrap", default=DEFAULTS["fsdp_wrap"], choices=FSDP_WRAP_SETTINGS,
                         help="FSDP units of the dense weights: each decoder layer, the whole model at once, or auto (train_fsdp2.py's rule)")
     parser.add_argument("--ep_capacity_factor", type=float, default=DEFAULTS["ep_capacity_factor"],
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             chunked_loss=chunked_loss,
             checkpoint_experts=checkpoint_experts,
             recompute_swiglu=recompute_swiglu,
+            quantize_base=args.quantize_base,
         )
         ep = plan_for(fsdp_wrap="layer", ep_capacity_factor=0.0).ep  # --ep_size resolved (0: all ranks) and checked
         wrap, factor, note = plan_as_the_script(

@@ -120,6 +120,7 @@ DEFAULTS = dict(
     chunked_loss=True,
     checkpoint_experts=False,
     recompute_swiglu=False,
+    quantize_base="none",
     fsdp_wrap="auto",
     ep_capacity_factor=-1.0,  # auto (train/auto_exchange.py): the tool resolves it as train_fsdp2.py does
     cuda_graphs="auto",
@@ -396,6 +397,7 @@ class Plan:
     recompute_swiglu: bool = False  # the experts' SwiGLU output made again in the backward (where it applies)
     fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallel/mesh.FSDP_WRAPS)
     ep_capacity_factor: float = 0.0  # > 0: the static exchange, every MoE layer's received rows at this x the mean
+    quantize_base: str = "none"  # LoRA: "fp8" holds the frozen experts and decoder linear layers in FP8 (model/quantized_base.py)
 
 
 @dataclass
@@ -434,8 +436,8 @@ class MemoryEstimate:
             + f", shard_experts {str(self.shard_experts).lower()}, optim {p.optim}, micro batch {p.per_device_train_batch_size}"
             f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
             f"{checkpointing_text(self)}" + {"model": ", FSDP units: the whole model", "none": ", dense weights whole on every rank (no FSDP)"}.get(p.fsdp_wrap, "")
-            + (f", LoRA r {p.lora_r} ({self.adapters / 1e6:.1f} M adapter params train; the weights are frozen in bf16)"
-               if p.finetuning == "lora" else ""),
+            + (f", LoRA r {p.lora_r} ({self.adapters / 1e6:.1f} M adapter params train; the weights are frozen in "
+               f"{'fp8 (experts, linear layers)' if p.quantize_base == 'fp8' else 'bf16'})" if p.finetuning == "lora" else ""),
             "per GPU                GiB",
         ]
         for label, value in [
@@ -490,6 +492,7 @@ def estimate_memory(
     fsdp_wrap: str = "layer",
     ep_capacity_factor: float = 0.0,
     recompute_swiglu: bool = False,
+    quantize_base: str = "none",
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     if fsdp_wrap not in FSDP_WRAPS:
@@ -516,6 +519,7 @@ def estimate_memory(
         fsdp_wrap=fsdp_wrap,
         ep_capacity_factor=ep_capacity_factor,
         recompute_swiglu=recompute_swiglu,
+        quantize_base=quantize_base,
     )
     return _estimate(config, plan)
 
@@ -618,6 +622,20 @@ def _logits_bytes(config, plan: Plan, counts, tokens: int) -> float:
     return LOGITS_BYTES * tokens * counts.vocab
 
 
+FP8_BYTES = 1 + 4 / 128**2  # a float8 weight and its share of its 128 x 128 block's fp32 scale (moe/quantized.py)
+
+
+def _frozen_bytes(counts: ParamCounts, quantize_base: str, dense_shards: int, expert_shards: int) -> float:
+    """LoRA's frozen weights on one GPU: in the compute dtype, or with ``quantize_base`` fp8 the routed experts and the
+    decoder layers' linear layers in FP8 (embeddings, lm_head, routers and norms stay in the compute dtype)."""
+    if quantize_base == "none":
+        return COMPUTE_BYTES * (counts.dense / dense_shards + counts.expert / expert_shards)
+    if quantize_base != "fp8":
+        raise InputError(f"quantize_base={quantize_base!r} is unknown; choose none or fp8")
+    kept = counts.root + counts.moe_layers * counts.num_experts * counts.hidden  # embeddings, lm_head, routers
+    return COMPUTE_BYTES * kept / dense_shards + FP8_BYTES * ((counts.dense - kept) / dense_shards + counts.expert / expert_shards)
+
+
 def _estimate(config, plan: Plan) -> MemoryEstimate:
     for name in ("world_size", "dp_replicate", "nproc_per_node", "max_length", "per_device_train_batch_size", "gradient_accumulation_steps"):
         _positive(name, getattr(plan, name))
@@ -654,7 +672,7 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     expert_shards = ep * (dp // r) if shard else ep
     trained = counts if lora is None else lora
     local_params = trained.dense / dense_shards + trained.expert / expert_shards
-    frozen = 0.0 if lora is None else COMPUTE_BYTES * (counts.dense / dense_shards + counts.expert / expert_shards)
+    frozen = 0.0 if lora is None else _frozen_bytes(counts, plan.quantize_base, dense_shards, expert_shards)
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     trained_experts_layer = trained.expert_layer / ep
@@ -863,6 +881,8 @@ def _alternatives(e: MemoryEstimate, budget: float) -> list[str]:
         if optim != p.optim:
             offer(f"--optim {optim}", optim=optim)
     layers = e.config.num_hidden_layers
+    if p.finetuning == "lora" and p.quantize_base == "none" and p.world_size == 1:  # the frozen base in FP8: half its bytes
+        offer("--quantize_base fp8", quantize_base="fp8")
     if not p.recompute_swiglu:  # one element-wise pass a layer made again: cheaper still
         offer("--recompute_swiglu true", recompute_swiglu=True)
     if not p.checkpoint_experts and e.counts.moe_layers:  # the routed experts recomputed: the cheapest memory to give
