@@ -147,6 +147,18 @@ def makes_swiglu_again(local: "LocalExperts", fuse: bool, local_experts: int, ad
     return fuse and local.is_silu and local_experts > 1 and not adapters
 
 
+def _one_expert(rows: torch.Tensor, w, bias: torch.Tensor | None, e: int, transposed: bool) -> torch.Tensor:
+    """``rows`` through expert ``e``'s weight and bias as transformers computes each layout: [out, in] (``F.linear``),
+    [in, out] (``transposed``: x @ W + b), or held quantized (``QuantizedWeight``, dequantized inside its GEMM)."""
+    if isinstance(w, QuantizedWeight):
+        out = w.matmul(rows, expert=e)
+    elif transposed:
+        out = rows @ w[e]
+    else:
+        return F.linear(rows, w[e], bias[e] if bias is not None else None)
+    return out + bias[e] if bias is not None else out
+
+
 class LocalExperts:
     """How this rank's experts compute: [rows, H] grouped by expert -> [rows, H].
 
@@ -277,29 +289,14 @@ class LocalExperts:
         """The reference computation: one pair of GEMMs per local expert (any device, any dtype)."""
         w_gate_up, w_down = weights[:2]
         b_gate_up, b_down = weights[2:] if len(weights) == 4 else (None, None)
-        quantized = isinstance(w_gate_up, QuantizedWeight)
         outputs = []
         for e, rows in enumerate(torch.split(x, counts_host)):
             one = lambda a, w, e=e: a @ w[e]  # noqa: E731  (an adapter's product for this expert)
-            if quantized:  # the frozen base, dequantized inside the GEMM (moe/quantized.py)
-                gate_up = w_gate_up.matmul(rows, expert=e)
-                gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
-            elif self.transposed:  # x @ W + b, as transformers computes these layouts
-                gate_up = rows @ w_gate_up[e]
-                gate_up = gate_up + b_gate_up[e] if b_gate_up is not None else gate_up
-            else:
-                gate_up = F.linear(rows, w_gate_up[e], b_gate_up[e] if b_gate_up is not None else None)
+            gate_up = _one_expert(rows, w_gate_up, b_gate_up, e, self.transposed)
             if adapters:
                 gate_up = lora.add("gate_up_proj", gate_up, rows, adapters, one)
             hidden = self.activate(gate_up)
-            if quantized:
-                out = w_down.matmul(hidden, expert=e)
-                out = out + b_down[e] if b_down is not None else out
-            elif self.transposed:
-                out = hidden @ w_down[e]
-                out = out + b_down[e] if b_down is not None else out
-            else:
-                out = F.linear(hidden, w_down[e], b_down[e] if b_down is not None else None)
+            out = _one_expert(hidden, w_down, b_down, e, self.transposed)
             outputs.append(lora.add("down_proj", out, hidden, adapters, one) if adapters else out)
         hidden_size = w_down.shape[-1] if self.transposed else w_down.shape[1]
         return torch.cat(outputs) if outputs else x.new_zeros(0, hidden_size)
