@@ -152,6 +152,9 @@ def main() -> None:
                    help="ours: bf16 adapters trained by adamw_bf16 (the script's --optim adamw_bf16) instead of fp32 + AdamW")
     p.add_argument("--quantize_base", choices=["none", "fp8"], default="none",
                    help="ours: the frozen experts and linear layers held in FP8 (the script's --quantize_base)")
+    p.add_argument("--release", choices=["bf16", "fp8", "mxfp4"], default=None,
+                   help="ours: random weights read layer by layer as from a checkpoint released so (bench/random_checkpoint.py: "
+                        "models whose bf16 weights do not fit the GPU); default: transformers' model built in memory")
     p.add_argument("--attn", default="varlen", help="varlen (GPU), sdpa, flex_attention, eager")
     p.add_argument("--data", choices=["random", *DATA_FILES], default="random", help="random tokens, or the repo's records")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "tiny-mixtral"),
@@ -165,9 +168,9 @@ def main() -> None:
     p.add_argument("--tally_saved", action="store_true",
                    help="instead of training: what one micro-batch's forward saves for the backward, by shape (no weights)")
     args = p.parse_args()
-    if args.variant == "peft" and (args.ac == "selective" or args.ac_layers != -1 or args.checkpoint_experts or args.loss == "chunked"
+    if args.variant == "peft" and (args.release or args.ac == "selective" or args.ac_layers != -1 or args.checkpoint_experts or args.loss == "chunked"
                                    or args.adapter_dtype != "fp32" or args.quantize_base != "none"):
-        p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked, --adapter_dtype bf16 and --quantize_base are ours only")
+        p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked, --adapter_dtype bf16, --quantize_base and --release are ours only")
     args.compile_dense = args.variant == "ours" if args.compile_dense == "default" else args.compile_dense == "true"
     chunked = args.variant == "ours" and args.loss != "full"
 
@@ -183,6 +186,7 @@ def main() -> None:
     )
     from megablocks_utils.data.batches import collate
     from megablocks_utils.model.attention import choose_attention
+    from megablocks_utils.model.quantized_base import describe_base
     from megablocks_utils.model.lora import (
         DEFAULT_TARGETS,
         LoraSettings,
@@ -231,9 +235,16 @@ def main() -> None:
             record.update(data_rows=rows)
         torch.manual_seed(0)
         impl = {"experts_implementation": "grouped_mm"} if args.variant == "peft" and cuda else {}
-        with device:
+        with torch.device("meta") if args.release else device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention, **impl)
-        if args.variant == "ours":
+        if args.variant == "ours" and args.release:  # layer by layer from random weights in the release's layout
+            from random_checkpoint import RandomCheckpoint
+
+            mesh = build_mesh(1, device.type)
+            shard_moe(model, mesh, device=device, quantize_base=args.quantize_base,
+                      checkpoint=RandomCheckpoint(config, args.release, device))
+            record.update(release=args.release)
+        elif args.variant == "ours":
             # shard_moe copies each layer's experts into its own tensors: from the host, not beside them on the GPU
             spec = spec_for(config)
             for layer in decoder_layers(model):
@@ -244,6 +255,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             mesh = build_mesh(1, device.type)
             shard_moe(model, mesh, device=device, quantize_base=args.quantize_base)
+        if args.variant == "ours":
             add_lora(model, mesh, lora, torch.bfloat16 if args.adapter_dtype == "bf16" and cuda else torch.float32)
             if chunked:
                 install_loss_head(model, fuse=args.compile_dense)
@@ -251,6 +263,7 @@ def main() -> None:
                         checkpoint_experts=args.checkpoint_experts, compile_dense=args.compile_dense, device=device)
             keys = {k: tuple(v.shape) for k, v in peft_tensors(model).items()}
             load_peft_tensors(model, seeded_adapters(keys))
+            record.update(base=describe_base(model) or "bf16")
         else:
             model = get_peft_model(model, peft_config(lora, find_targets(model, lora.targets), "", inference_mode=False))
             keys = {k.replace(".default", ""): tuple(v.shape) for k, v in model.named_parameters() if "lora_" in k}

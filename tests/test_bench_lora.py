@@ -62,3 +62,35 @@ def test_quality_dry_run_trains_200_steps_of_chat_rows_within_the_budget(capsys)
     assert len(commands) == 2 and all("--data chat" in c and "--steps 200 --warmup 0" in c for c in commands)
     estimate = float(printed[-1].split("about ")[1].split(" s")[0])
     assert estimate < 560, printed[-1]
+
+
+def test_ours_trains_over_random_weights_read_as_released(tmp_path):
+    """bench/lora_peft.py --release: random weights read layer by layer as from an FP8 release (Qwen3's layout, kept as
+    released) and from gpt-oss's MXFP4 release (its published config, quantization_config and all, at tiny sizes), under
+    --quantize_base fp8: the frozen base is the release's format and the adapters train (finite losses that move)."""
+    import json as json_
+
+    configs = {"fp8": tiny_moe_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32, vocab_size=512)}
+    gpt_oss = json_.load(open(os.path.join(ROOT, "tests", "configs", "gpt-oss-120b", "config.json")))
+    gpt_oss.update(hidden_size=64, intermediate_size=32, num_local_experts=4, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=512, layer_types=["sliding_attention", "full_attention"])
+    from transformers import AutoConfig
+
+    configs["mxfp4"] = AutoConfig.for_model("gpt_oss", **{k: v for k, v in gpt_oss.items() if k != "model_type"})
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    launches = {}
+    for release, config in configs.items():
+        folder = str(tmp_path / release)
+        config.save_pretrained(folder)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                   os.path.join(ROOT, "bench", "lora_peft.py"), "--variant", "ours", "--model_config", folder, "--layers", "2",
+                   "--seq", "128", "--steps", "3", "--warmup", "0", "--attn", "eager", "--release", release, "--quantize_base",
+                   "fp8", "--lr", "1e-2", "--out", str(tmp_path / f"{release}.jsonl")]
+        launches[release] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for release, proc in launches.items():
+        output = proc.communicate(timeout=180)[0]
+        assert proc.returncode == 0, output[-3000:]
+        (record,) = [json.loads(line) for line in (tmp_path / f"{release}.jsonl").read_text().splitlines()]
+        assert record["status"] == "ok" and record["release"] == release and record["quantize_base"] == "fp8", record
+        assert f"experts in {release}" in record["base"] and "linear layers in fp8" in record["base"], record["base"]
+        assert all(x == x for x in record["losses"]) and record["losses"][0] != record["losses"][-1], record["losses"]

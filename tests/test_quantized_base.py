@@ -4,6 +4,7 @@ base against transformers + PEFT over the same weights rounded to FP8 (megablock
 megablocks_utils/model/quantized_base.py)."""
 
 import copy
+import json
 import os
 
 import pytest
@@ -413,3 +414,47 @@ def test_mxfp4_release_keeps_gpt_oss_experts_in_mxfp4(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="mxfp4 experts have not run on a GPU yet"):
         check_quantize_base("fp8", finetuning="lora", device_type="cuda", world_size=1, released="mxfp4")
     run_ranks(check_mxfp4_release, 1, path, reference_path)
+
+
+# ----------------------------------------------------------------------------- the fit check
+PLAN = dict(world_size=1, ep_size=1, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1,
+            gradient_accumulation_steps=4, finetuning="lora", checkpoint_experts=True, fsdp_wrap="layer", ep_capacity_factor=0)
+
+
+def test_fit_check_counts_the_fp8_base_and_offers_it():
+    """With --quantize_base fp8 the frozen experts and decoder linear layers (counted here on transformers' model of
+    Qwen3-30B-A3B's published config, on the meta device) take 1 byte and a 128 x 128 block's share of a 4-byte scale
+    where they took 2; the rest is unchanged. Where the bf16 base does not fit and the FP8 one does, the fit check's
+    error offers it."""
+    from torch import nn
+
+    from megablocks_utils.model.architectures import decoder_layers
+    from megablocks_utils.model.lora import meta_model
+    from megablocks_utils.model.loading import load_config
+    from megablocks_utils.train.memory_plan import estimate_memory, fit_error
+
+    path = os.path.join(os.path.dirname(__file__), "configs", "qwen3-30b-a3b")
+    model = meta_model(load_config(path))
+    quantized = sum(m.weight.numel() for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, nn.Linear))
+    quantized += sum(p.numel() for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    bf16, fp8 = (estimate_memory(path, **PLAN, quantize_base=q) for q in ("none", "fp8"))
+    assert bf16.params - fp8.params == pytest.approx(quantized * (2 - 1 - 4 / 128**2), rel=1e-3)
+    assert bf16.activations == fp8.activations and "frozen in fp8" in fp8.describe()
+    gpu = 64 * 2**30  # between the two estimates (80.1 and 50.8 GiB)
+    assert fp8.total < gpu < bf16.total
+    assert "--quantize_base fp8 (" in fit_error(bf16, gpu) and fit_error(fp8, gpu) is None
+
+
+def test_fit_check_counts_released_mxfp4_experts_at_their_bytes(tmp_path):
+    """A checkpoint whose experts are released in MXFP4 is planned at their bytes (half a byte a weight and a byte per 32),
+    read from the checkpoint's tensors themselves: the difference from planning them in FP8."""
+    from megablocks_utils.train.memory_plan import estimate_memory
+
+    path = str(tmp_path / "mxfp4")
+    write_mxfp4_release(path, str(tmp_path / "values"))
+    weights = sum(_tensor(path, f"model.layers.{i}.mlp.experts.{p}_blocks").numel() * 2 for i in range(2) for p in ("gate_up_proj", "down_proj"))
+    plan = dict(PLAN, max_length=64, optim="adamw_torch")
+    released = estimate_memory(path, **plan, quantize_base="fp8")
+    as_config = estimate_memory(json.load(open(os.path.join(path, "config.json"))), **plan, quantize_base="fp8")
+    assert released.plan.released == "mxfp4" and as_config.plan.released is None
+    assert as_config.params - released.params == pytest.approx(weights * ((1 + 4 / 128**2) - (0.5 + 1 / 32)), rel=1e-6)

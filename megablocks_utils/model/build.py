@@ -160,6 +160,7 @@ def shard_moe(
     compile_elementwise: bool = True,
     overlap_chunks: int = 1,
     quantize_base: str = "none",
+    checkpoint: Checkpoint | None = None,
 ) -> MoEMesh:
     """Swap every MoE block for ``ExpertParallelMoE`` and give each rank its own experts.
 
@@ -174,7 +175,9 @@ def shard_moe(
     and ``timeout``, which bounds the collectives on the mesh's groups; see ``build_mesh``).
     FSDP (``parallelize``) is applied afterwards; until then each expert DTensor is Shard(0) over ep.
     ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the experts' settings (``ExpertParallelExperts``;
-    megablocks' forward has no ``overlap_chunks``). ``quantize_base`` "fp8": the experts held in FP8, each layer's
+    megablocks' forward has no ``overlap_chunks``). ``checkpoint``: the weights' reader in place of
+    ``Checkpoint(model_dir)`` (benches: random weights of a model's shape, read as from disk). ``quantize_base`` "fp8":
+    the experts held in FP8, each layer's
     quantized as it is read, and the decoder layers' linear layers after them (``model/quantized_base.py``; LoRA).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -196,7 +199,7 @@ def shard_moe(
     elif num_experts % mesh.ep_size != 0:
         raise ValueError(f"{spec.num_experts_attr}={num_experts} is not divisible by the mesh's ep size {mesh.ep_size}")
     on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta and model_dir is None:
+    if on_meta and model_dir is None and checkpoint is None:
         raise ValueError("the model is on the meta device: pass model_dir so shard_moe can load its weights")
 
     old_blocks = {}
@@ -235,7 +238,7 @@ def shard_moe(
             "shard_moe needs a mixture-of-experts model"
         )
 
-    ckpt = Checkpoint(model_dir) if model_dir is not None else None
+    ckpt = checkpoint if checkpoint is not None else Checkpoint(model_dir) if model_dir is not None else None
     released = {}  # linear layers' weights released in FP8: kept as they are (quantize_base)
     if on_meta:
         released = _materialize_dense(model, ckpt, spec, device)
@@ -243,7 +246,7 @@ def shard_moe(
         model.to(device)
 
     quantized_ok = quantize_base == "fp8"
-    layout = expert_layout(ckpt.names(), spec, model_dir, quantized_ok) if ckpt is not None else None
+    layout = expert_layout(ckpt.names(), spec, ckpt.model_dir, quantized_ok) if ckpt is not None else None
     released_experts = ckpt is not None and checkpoint_quantization(ckpt.names()) is not None
     local = num_experts // mesh.ep_size
     mine = range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)

@@ -14,6 +14,8 @@ Where it runs: one GPU of sm89 or newer (float8), and CPU ranks (the tests). Sev
 not run it: refused there until they have (``QUANTIZED_BASE_RAN_ON_GPUS``, ``RAN_ON_GPUS``).
 """
 
+import os
+
 import torch
 from torch import nn
 
@@ -58,12 +60,10 @@ def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str
 
 def released_format(model_dir: str) -> str | None:
     """How the checkpoint in ``model_dir`` is quantized as released (None: bf16, or no checkpoint there yet)."""
-    import os
+    from megablocks_utils.model.loading import INDEX_NAME, SINGLE_NAME, checkpoint_quantization, weight_map
 
-    from megablocks_utils.model.loading import checkpoint_quantization, weight_map
-
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        return None
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in (INDEX_NAME, SINGLE_NAME)):
+        return None  # no weights there (yet): a config directory, or the default model before it is made
     return checkpoint_quantization(list(weight_map(model_dir)))
 
 

@@ -26,6 +26,7 @@ Every byte constant is below, named, with its reasoning; they are first estimate
 saves, to be calibrated against measured ``max_memory_reserved`` on GPUs (target: within 10%).
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -36,6 +37,7 @@ from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.loading import load_config
 from megablocks_utils.model.lora import DEFAULT_TARGETS
+from megablocks_utils.model.quantized_base import released_format
 from megablocks_utils.parallel.activation_checkpointing import checkpointed_layers
 from megablocks_utils.parallel.mesh import FSDP_WRAPS, REPLICATED_BUCKET, check_ep_size
 from megablocks_utils.train.loss import loss_chunk_rows
@@ -398,6 +400,7 @@ class Plan:
     fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallel/mesh.FSDP_WRAPS)
     ep_capacity_factor: float = 0.0  # > 0: the static exchange, every MoE layer's received rows at this x the mean
     quantize_base: str = "none"  # LoRA: "fp8" holds the frozen experts and decoder linear layers in FP8 (model/quantized_base.py)
+    released: str | None = None  # how the checkpoint is quantized as released (loading.checkpoint_quantization): "mxfp4" experts stay so
 
 
 @dataclass
@@ -498,6 +501,7 @@ def estimate_memory(
     if fsdp_wrap not in FSDP_WRAPS:
         raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: give the units the run builds, {', '.join(map(repr, FSDP_WRAPS))} (resolve_fsdp_wrap)")
     config = load_config(config_or_dir)
+    released = released_format(config_or_dir) if isinstance(config_or_dir, (str, os.PathLike)) else None
     plan = Plan(
         world_size=world_size,
         ep_size=ep_size,
@@ -520,6 +524,7 @@ def estimate_memory(
         ep_capacity_factor=ep_capacity_factor,
         recompute_swiglu=recompute_swiglu,
         quantize_base=quantize_base,
+        released=released,
     )
     return _estimate(config, plan)
 
@@ -623,17 +628,22 @@ def _logits_bytes(config, plan: Plan, counts, tokens: int) -> float:
 
 
 FP8_BYTES = 1 + 4 / 128**2  # a float8 weight and its share of its 128 x 128 block's fp32 scale (moe/quantized.py)
+MXFP4_BYTES = 0.5 + 1 / 32  # an e2m1 weight and its share of its 32 inputs' exponent byte (gpt-oss's released experts)
 
 
-def _frozen_bytes(counts: ParamCounts, quantize_base: str, dense_shards: int, expert_shards: int) -> float:
+def _frozen_bytes(counts: ParamCounts, quantize_base: str, dense_shards: int, expert_shards: int, released: str | None = None,
+                  expert_biases: int = 0) -> float:
     """LoRA's frozen weights on one GPU: in the compute dtype, or with ``quantize_base`` fp8 the routed experts and the
-    decoder layers' linear layers in FP8 (embeddings, lm_head, routers and norms stay in the compute dtype)."""
+    decoder layers' linear layers in FP8 (embeddings, lm_head, routers and norms stay in the compute dtype), experts
+    released in MXFP4 (``released``) in MXFP4; their biases (``expert_biases``, gpt-oss's) stay in the compute dtype."""
     if quantize_base == "none":
         return COMPUTE_BYTES * (counts.dense / dense_shards + counts.expert / expert_shards)
     if quantize_base != "fp8":
         raise InputError(f"quantize_base={quantize_base!r} is unknown; choose none or fp8")
     kept = counts.root + counts.moe_layers * counts.num_experts * counts.hidden  # embeddings, lm_head, routers
-    return COMPUTE_BYTES * kept / dense_shards + FP8_BYTES * ((counts.dense - kept) / dense_shards + counts.expert / expert_shards)
+    experts = MXFP4_BYTES if released == "mxfp4" else FP8_BYTES
+    return (COMPUTE_BYTES * kept / dense_shards + FP8_BYTES * (counts.dense - kept) / dense_shards
+            + (experts * (counts.expert - expert_biases) + COMPUTE_BYTES * expert_biases) / expert_shards)
 
 
 def _estimate(config, plan: Plan) -> MemoryEstimate:
@@ -672,7 +682,10 @@ def _estimate(config, plan: Plan) -> MemoryEstimate:
     expert_shards = ep * (dp // r) if shard else ep
     trained = counts if lora is None else lora
     local_params = trained.dense / dense_shards + trained.expert / expert_shards
-    frozen = 0.0 if lora is None else _frozen_bytes(counts, plan.quantize_base, dense_shards, expert_shards)
+    shape = _shape(config)
+    expert_biases = counts.moe_layers * shape.num_experts * (2 * shape.expert_inter + shape.hidden) if shape.expert_bias else 0
+    frozen = 0.0 if lora is None else _frozen_bytes(counts, plan.quantize_base, dense_shards, expert_shards, plan.released,
+                                                    expert_biases)
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     trained_experts_layer = trained.expert_layer / ep
