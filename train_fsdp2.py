@@ -116,6 +116,7 @@ from megablocks_utils.train.memory_plan import (  # noqa: E402
     check_checkpointed_layers,
     check_fit,
     estimate_memory,
+    graphs_memory_blocker,
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -372,7 +373,7 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
         device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
         lora=bool(lora), dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules()),
-        ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None))
+        ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None) or graphs_memory_blocker(plan, gpu_bytes))
 except InputError as e:
     fail(e)
 if factor_auto and exchange_mode(model) is not None and not use_graphs:  # auto's static exchange goes with graphs only

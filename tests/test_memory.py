@@ -657,3 +657,21 @@ def test_checkpointing_hint_offers_recompute_swiglu_where_it_spares_whole_layers
     assert hint.startswith("activation checkpointing: --activation_checkpointing none --recompute_swiglu true would fit"), hint
     assert memory_plan.checkpointing_hint(estimate_memory(MIXTRAL_8X7B, activation_checkpointing="full", recompute_swiglu=True,
                                                           **plan), gpu).startswith("activation checkpointing: none would fit")
+
+
+@pytest.mark.parametrize("tokens,fits", [(32768, True), (65536, False)])
+def test_cuda_graphs_are_planned_with_their_pool(tokens, fits):
+    """One H200, 2026-12-02, Qwen3-30B-A3B's shape with 6 layers at the defaults but adamw_bf16: rows of 32,768 tokens
+    trained with whole micro-steps as graphs; at 65,536 the capture ran out of memory (61.8 GiB in the graph's pool beside
+    the eager steps' blocks). The plan keeps graphs for the first and says why not for the second."""
+    from megablocks_utils.model.loading import load_config
+    from megablocks_utils.train.memory_plan import estimate_memory, graphs_memory_blocker
+
+    config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-30b-a3b"))
+    config.num_hidden_layers = 6
+    plan = estimate_memory(config, world_size=1, ep_size=1, optim="adamw_bf16", max_length=tokens, per_device_train_batch_size=1,
+                           gradient_accumulation_steps=2, fsdp_wrap="layer", ep_capacity_factor=0)
+    h200 = 139.8 * 2**30
+    blocker = graphs_memory_blocker(plan, h200)
+    assert (blocker is None) == fits, blocker
+    assert fits or "the graph's memory pool would hold a micro-step's activations and logits" in blocker

@@ -458,3 +458,4 @@ def test_fit_check_counts_released_mxfp4_experts_at_their_bytes(tmp_path):
     as_config = estimate_memory(json.load(open(os.path.join(path, "config.json"))), **plan, quantize_base="fp8")
     assert released.plan.released == "mxfp4" and as_config.plan.released is None
     assert as_config.params - released.params == pytest.approx(weights * ((1 + 4 / 128**2) - (0.5 + 1 / 32)), rel=1e-6)
+
