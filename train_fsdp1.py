@@ -64,6 +64,9 @@ trainer_defaults = dict(
 )
 # -----------------------------------------------------------------------------
 
+# The settings are the block above, taken before anything is imported: an imported constant is never one.
+settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
 # Only what the inputs' checks need before they run (the Trainer, accelerate's FSDP and the model come after).
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
@@ -87,7 +90,6 @@ from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.mesh import check_ep_size  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
-settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 training_fields = dataclasses.fields(TrainingArguments)
 training_flags = {f.name for f in training_fields} | {f"no_{f.name}" for f in training_fields}  # --no_x: HfArgumentParser's negation
 RESULTS = ("metrics.jsonl", "summary.json", "final", "checkpoint-*")  # what a run leaves in output_dir

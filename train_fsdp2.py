@@ -81,6 +81,9 @@ peak_tflops = 0.0  # per-device peak for MFU; 0 = 989 (H100/H200 bf16) on GPU, M
 gpu_memory_gib = 0.0  # cap each GPU's memory at this many GiB (to emulate a smaller GPU); 0 = all of it
 # -----------------------------------------------------------------------------
 
+# The settings are the block above, taken before anything is imported: an imported constant is never one.
+settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
 # Only light modules before the inputs are checked (transformers and the model come after).
 from megablocks_utils.config.inputs import (  # noqa: E402
     check_data_and_model,
@@ -120,7 +123,6 @@ from megablocks_utils.train.memory_plan import (  # noqa: E402
 )
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
-settings = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 RESULTS = ("metrics.jsonl", "summary.json", "final", "merged", "checkpoints")  # what a run leaves in output_dir
 
 # ----------------------------------------------------------------------------- inputs

@@ -8,6 +8,7 @@ scripts (no launcher: the checks come before the launch check) prove the wiring.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -230,3 +231,25 @@ def test_one_parser_reads_true_false_words_for_every_setting():
         assert parse_activation_checkpointing(word) == checkpointing_mode(word) == ("full" if value else "none")
         assert resolve_shard_experts(word, 8, 8) is value
     assert parse_bool("auto") is None and parse_bool("full") is None
+
+
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
+def test_settings_are_only_the_declared_ones(script):
+    """--help, the YAML configs and README's settings table name the settings block's settings and nothing else: a
+    constant the script imports (cuda_graph.WARMUP_STEPS, auto_exchange.AUTO) never becomes a setting (it could change
+    the library's behaviour from the command line)."""
+    import glob
+
+    import yaml
+
+    declared = settings_block(os.path.join(ROOT, script))
+    names = set(declared) - {"trainer_defaults"} | set(declared.get("trainer_defaults", {}))
+    listed = set(re.findall(r"^  --(\w+) ", run(script, "--help").stdout, re.M))
+    assert listed == names | {"config"}, (sorted(listed - names - {"config"}), sorted(names - listed))
+    if script == "train_fsdp2.py":
+        for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
+            assert set(yaml.safe_load(open(path))) <= names, path
+        table = open(os.path.join(ROOT, "README.md")).read().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+        assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) <= names
+        result = run(script, "--WARMUP_STEPS", "0")
+        assert result.returncode == 2 and "WARMUP_STEPS" in result.stderr, result.stderr[-500:]
