@@ -89,6 +89,8 @@ from megablocks_utils.config.inputs import (  # noqa: E402
     check_data_and_model,
     check_output_dir,
     fail,
+    finished_same_run,
+    nothing_to_do,
     resolve_shard_experts,
     stop_together,
 )
@@ -142,6 +144,9 @@ try:
                       moe_backend=moe_backend, load_balance_coeff=load_balance_coeff, merge_lora=merge_lora)  # None: a full fine-tune
     check_quantize_base(quantize_base, finetuning=finetuning, device_type="cuda" if torch.cuda.is_available() else "cpu",
                         world_size=int(os.environ.get("WORLD_SIZE", 1)), released=released_format(model_name_or_path))
+    if not (overwrite_output_dir or resume) and finished_same_run(output_dir, settings):  # the same command again
+        nothing_to_do(f"{output_dir} already holds this run, finished with these settings (summary.json, final/): nothing "
+                      "to do; to train it again pass --overwrite_output_dir true, or choose another --output_dir")
     earlier_results = check_output_dir(output_dir, RESULTS, overwrite_output_dir, bool(resume), "--resume auto")
     # ep_capacity_factor auto: the static exchange with whole micro-steps as CUDA graphs where that ran, else the exact one
     factor_auto = ep_capacity_factor == AUTO

@@ -267,3 +267,22 @@ def test_resume_with_packing_changed_warns_and_goes_on(two_rank_run, tiny_model_
     assert re.search(r"warning: the checkpoint's run used \d+ rows per step, this one \d+ samples: the data order after "
                      r"resume differs from the original run", result.stdout), result.stdout[-2000:]
     assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [3]
+
+
+def test_the_same_command_again_has_nothing_to_do(tiny_model_dir, small_data, two_rank_run):
+    """A finished run's command run again (the quick start twice in a row) ends at once with exit 0 and one line, no
+    launcher traceback, and leaves the run as it was; another setting there is still refused."""
+    from conftest import TWO_RANK_ARGS, run_script, standard_args
+
+    summary = os.path.join(two_rank_run, "summary.json")
+    before = (os.path.getmtime(summary), sorted(os.listdir(two_rank_run)))
+    result = run_script("train_fsdp2.py", 2, "--output_dir", two_rank_run, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines == [f"{two_rank_run} already holds this run, finished with these settings (summary.json, final/): nothing to do; "
+                     "to train it again pass --overwrite_output_dir true, or choose another --output_dir"], result.stdout
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+    assert (os.path.getmtime(summary), sorted(os.listdir(two_rank_run))) == before
+    other = run_script("train_fsdp2.py", 2, "--output_dir", two_rank_run, *standard_args(tiny_model_dir, small_data), *TWO_RANK_ARGS,
+                       "--learning_rate", "1e-3")
+    assert other.returncode != 0 and "already holds a run's results" in other.stderr, other.stderr[-2000:]

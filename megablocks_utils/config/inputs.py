@@ -9,6 +9,7 @@ inside ``stop_together``, where the ranks compare notes before anyone moves on.
 """
 
 import glob
+import json
 import os
 import sys
 import time
@@ -130,6 +131,29 @@ def check_output_dir(output_dir: str, results: tuple[str, ...], overwrite: bool,
             f"pass {resume_flag} to continue that run, or --overwrite_output_dir true to replace it"
         )
     return found
+
+
+def finished_same_run(output_dir: str, settings: dict) -> bool:
+    """Whether ``output_dir`` holds a finished run (summary.json and final/) made with these very settings (its
+    settings.json): running the same command again has nothing to do."""
+    path = os.path.join(output_dir, "settings.json")
+    if not (os.path.isfile(path) and os.path.isfile(os.path.join(output_dir, "summary.json"))
+            and os.path.isdir(os.path.join(output_dir, "final"))):
+        return False
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return earlier == json.loads(json.dumps(settings, default=str))
+
+
+def nothing_to_do(message: str) -> None:
+    """Leave with exit code 0, rank 0 saying why in one line (every rank calls it alike, before the process group)."""
+    if _rank() == 0:
+        print(message, flush=True)
+    sys.stdout.flush()
+    sys.exit(0)
 
 
 def check_data_and_model(data_path: str, eval_data_path: str, eval_split: float, model_name_or_path: str,
