@@ -69,6 +69,20 @@ def test_all_samples_too_long_is_an_error(tmp_path, tokenizer):
         build_dataset(str(path), tokenizer, max_length=8)
 
 
+def test_a_sample_without_labels_among_good_ones_is_dropped_alone(tmp_path, tokenizer):
+    """A record whose answer lies wholly past max_length (its prompt fills the row) trains nothing: it is dropped and
+    counted, and the others are kept in order, each as it tokenizes alone."""
+    good = [{"instruction": "Name a color.", "input": "", "output": "Blue."},
+            {"instruction": "Say hi.", "input": "", "output": "Hi there."}]
+    long = {"instruction": "Explain " + "the sky and the sea " * 40, "input": "", "output": "Because."}
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([good[0], long, good[1]]))
+    dataset, dropped, _ = build_dataset(str(path), tokenizer, max_length=48)
+    assert dropped == 1 and len(dataset) == 2
+    assert [r["input_ids"] for r in dataset] == [tokenize_record(r, tokenizer, 48)["input_ids"] for r in good]
+    assert tokenize_record(long, tokenizer, 48)["num_label_tokens"] == 0 and all(r["num_label_tokens"] > 0 for r in dataset)
+
+
 def test_fewer_samples_than_one_step_is_an_error():
     with pytest.raises(DataError, match=r"the dataset has 3 samples but one optimizer step needs micro_batch 2 x "
                        r"grad_accum 2 x 2 ranks = 8; lower per_device_train_batch_size"):

@@ -282,3 +282,81 @@ def _pull_on_ranks(rank: int, ep: int) -> None:
 @pytest.mark.parametrize("ep", [2, 4])
 def test_pull_exchange_equals_exchange_and_flags_overflow(ep):
     run_ranks(_pull_on_ranks, ep)
+
+
+# ----------------------------------------------------------------------------- the sums alone
+def test_pair_sums_read_no_row_outside_their_slots():
+    """A pair's slots summed (times their weights): a row no slot names (row 0, which an empty slot's clamped index
+    reads) may hold NaN, and no sum sees it; a pair with no slot sums to zero."""
+    from megablocks_utils.moe.pull_exchange import pair_sums
+
+    g = torch.Generator().manual_seed(0)
+    # small integers and powers of two: every sum exact in fp32 as in float64
+    rows = torch.randint(-8, 9, (6, 4), generator=g).double()
+    w = 2.0 ** torch.randint(-2, 3, (6,), generator=g).double()
+    rows[0], w[0] = float("nan"), float("nan")
+    slots = torch.tensor([[1, 2, -1], [-1, -1, -1], [3, -1, -1], [4, 5, -1]])
+    expected = torch.stack([sum((rows[s] for s in pair if s >= 0), torch.zeros(4, dtype=torch.float64)) for pair in slots.tolist()])
+    weighted = torch.stack([sum((rows[s] * w[s] for s in pair if s >= 0), torch.zeros(4, dtype=torch.float64)) for pair in slots.tolist()])
+    assert torch.equal(pair_sums(rows, slots), expected.float()) and torch.equal(pair_sums(rows, slots, w), weighted.float())
+
+
+def test_rank_sums_read_no_rank_without_a_kept_copy():
+    """My token's rows summed over the ranks holding one of its kept copies: a rank holding none (or only a cut one,
+    slot -1) may have NaN in that row, and no sum sees it."""
+    from megablocks_utils.moe.pull_exchange import rank_sums
+
+    g = torch.Generator().manual_seed(0)
+    ep, tokens, me = 3, 2, 1
+    s_all = torch.randint(-8, 9, (ep, ep * tokens, 4), generator=g).double()  # every sum exact in fp32
+    owner = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32)
+    slot = torch.tensor([[0, 1], [3, -1]], dtype=torch.int32)  # token 1's copy on rank 0 was cut
+    s_all[1, me * tokens + 0] = float("nan")  # rank 1 holds no copy of token 0
+    s_all[0, me * tokens + 1] = s_all[2, me * tokens + 1] = float("nan")  # nor ranks 0 (cut) and 2 of token 1
+    expected = torch.stack([s_all[0, 2] + s_all[2, 2], s_all[1, 3]])
+    assert torch.equal(rank_sums(s_all, owner, slot, me, torch.float64), expected)
+
+
+SUMS_IN_BF16 = """
+import json, torch
+from megablocks_utils.moe import pull_kernel as kern
+from megablocks_utils.moe.pull_exchange import pair_sums, rank_sums
+g = torch.Generator().manual_seed(3)
+ep, tokens, h = 3, 4, 96
+scale = torch.logspace(-2, 2, h)  # each column's values far apart from the next: bf16 partial sums would round
+def values(*shape):
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+# pair sums: 5 pairs of up to 3 slots of 8 received rows, weights powers of two (products exact)
+y, w = values(8, h), 2.0 ** torch.randint(-2, 3, (8,), generator=g).float()
+slots = torch.tensor([[0, 1, 2, -1], [3, -1, -1, -1], [-1, -1, -1, -1], [4, 5, 6, -1], [7, 2, -1, -1]], dtype=torch.int32)
+def toward_zero(t):  # Triton's interpreter rounds fp32 to bf16 toward zero (a GPU to nearest): its kernels' reference
+    return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+exact64 = torch.stack([sum(((y[s].double() * w[s].double()) for s in p if s >= 0), torch.zeros(h, dtype=torch.float64))
+                       for p in slots.tolist()])
+s = torch.zeros(5, h).to(torch.bfloat16)
+kern.sum_slots(y, w, slots, s)
+out = {"sum_slots": torch.equal(s, toward_zero(exact64)),
+       "pair_sums": torch.equal(pair_sums(y, slots[:, :3], w).to(torch.bfloat16), exact64.to(torch.bfloat16))}
+# rank sums: my tokens' rows summed over the three ranks (every one holds a copy)
+bufs = [values(ep * tokens, h) for _ in range(ep)]
+owner = torch.tensor([[0, 1, 2]] * tokens, dtype=torch.int32)
+slot = torch.zeros(tokens, 3, dtype=torch.int32)
+me = 2
+exact64 = torch.stack([sum(b[me * tokens + t].double() for b in bufs) for t in range(tokens)])
+got = torch.empty(tokens, h).to(torch.bfloat16)
+kern.sum_ranks(torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64), owner, slot, got, ep, me)
+out["sum_ranks"] = torch.equal(got, toward_zero(exact64))
+out["rank_sums"] = torch.equal(rank_sums(torch.stack(bufs), owner, slot, me, torch.bfloat16), exact64.to(torch.bfloat16))
+mine = [b[me * tokens:(me + 1) * tokens] for b in bufs]
+out["bf16_partial_sums_would_differ"] = (not torch.equal(toward_zero(toward_zero(mine[0].double() + mine[1].double()).double()
+                                                                      + mine[2].double()), toward_zero(exact64))
+                                         and not torch.equal(mine[0] + mine[1] + mine[2], exact64.to(torch.bfloat16)))
+print(json.dumps(out))
+"""
+
+
+def test_pull_sums_in_bf16_round_once_like_float64():
+    """The exchange's sums in bf16 (the kernels in Triton's interpreter, and their torch work): summed in fp32 and rounded
+    once, each equals the float64 sum rounded to bf16 (summing in bf16 would not: the check that the inputs can tell)."""
+    result = run_in_triton_interpreter(SUMS_IN_BF16)
+    assert result == dict.fromkeys(("sum_slots", "pair_sums", "sum_ranks", "rank_sums", "bf16_partial_sums_would_differ"), True), result
