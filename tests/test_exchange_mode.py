@@ -130,16 +130,38 @@ def check_static_exchange_is_exact(rank, world, transport):
         assert rerun_ac[2:] == (True, (layers, layers), (0, layers)), (checkpointing, rerun_ac[2:])  # recomputed exactly
 
 
+def check_overflow_rerun_with_dropout(rank, world):
+    """With dropout in the model, the rerun after an overflow draws the same masks as the first try (the RNG is put
+    back first): the same loss and gradients, bit for bit, as the exact exchange from the same RNG state."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(tiny_mixtral_config(num_hidden_layers=2, attention_dropout=0.3)).float()
+    torch.manual_seed(7)
+    exact = train_step(reference, rank, 0.0)
+    torch.manual_seed(7)
+    rerun = train_step(reference, rank, OVERFLOW)
+    assert rerun[2] is True, "no overflow: the check would not rerun"
+    assert_same(rerun, exact, "dropout, overflow, rerun")
+    torch.manual_seed(8)
+    assert not torch.equal(train_step(reference, rank, 0.0)[0], exact[0]), "the dropout changes nothing: the check is blind"
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     """This file's 2-rank checks on one start of the ranks (spawns are the cost): each one's outcome."""
     cases = {"exact_all_to_all": (check_static_exchange_is_exact, "all_to_all"), "exact_gathered": (check_static_exchange_is_exact, "gathered"),
-             "deferred_overflow": (check_deferred_overflow_reruns_the_step,), "settings": (check_settings,)}
+             "deferred_overflow": (check_deferred_overflow_reruns_the_step,), "settings": (check_settings,),
+             "dropout_rerun": (check_overflow_rerun_with_dropout,)}
     return run_rank_cases(2, cases, str(tmp_path_factory.mktemp("exchange_ranks")))
 
 
 def passed(outcomes: dict, case: str) -> None:
     assert outcomes[case] is None, outcomes[case]
+
+
+def test_an_overflow_rerun_draws_the_same_dropout(two_ranks):
+    passed(two_ranks, "dropout_rerun")
 
 
 @pytest.mark.parametrize("transport", ["all_to_all", "gathered"])

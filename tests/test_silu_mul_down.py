@@ -58,8 +58,12 @@ for transpose_weight in (True, False):
         # the weight's gradient to autograd
         x = gate_up.clone().requires_grad_()
         wa = w.clone().requires_grad_()
+        bounds, forward_kernel = [], experts._silu_mul_forward  # the bound each SwiGLU pass is given, forward and remake
+        experts._silu_mul_forward = lambda g, v: bounds.append(None if v is None else int(v)) or forward_kernel(g, v)
         out = experts.silu_mul_down(x, wa, offs, valid, None, transpose_weight)
         out.backward(grads_out[0])
+        experts._silu_mul_forward = forward_kernel
+        found[key + "_bounds"] = bounds
         rel = lambda got, want: float((got - want).abs().max() / want.abs().max())
         found[key + "_autograd"] = {"out": rel(out[:valid_rows], expected[0][0]), "gate_up": rel(x.grad[:valid_rows], expected[0][1]),
                                     "weight": rel(wa.grad, expected[0][2])}
@@ -105,3 +109,11 @@ def test_swiglus_output_is_not_saved_for_the_backward(found, case):
     got = found[case + "_saved"]
     assert got["swiglu_output"] in got["two_steps"]  # the check can see it
     assert got["swiglu_output"] not in got["ours"], got["ours"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_remade_swiglu_covers_the_rows_the_forward_did(found, case):
+    """The backward makes SwiGLU's output again over the forward's rows, by the forward's own kernel (the same bits on a
+    GPU): bounded by the valid rows where the forward was, whole where it was."""
+    expected = [37, 37] if case.endswith("bounded") else [None, None]
+    assert found[case + "_bounds"] == expected, found[case + "_bounds"]
