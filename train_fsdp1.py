@@ -31,7 +31,7 @@ packing = True  # pack several samples into each row of max_length, documents ke
 attn_implementation = "auto"  # "auto" (the fastest exact kernel for model, device and rows), "flex_attention", "varlen", "sdpa", "eager"
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
-ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (0: the exact exchange; -1 auto: 0 here, megablocks_utils/train/auto_exchange.py)
+ep_capacity_factor = 0.0  # > 0 at ep > 1: the expert exchange at fixed shapes (no host sync); 0: exact (README)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
 finetuning = "full"  # "full" only here: for "lora" (frozen weights, adapters, a PEFT adapter out) use train_fsdp2.py
 max_length = 256  # tokens per row (packed) or sample; longer samples are truncated
@@ -349,8 +349,9 @@ class StepMetrics(TrainerCallback):
         self.skipped = False
         self.eval_pending = None  # a step's record waiting for its eval loss (MoETrainer.evaluate)
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
         self.start = time.perf_counter()
+        self.lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses (Trainer's log shows it too)
 
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if use_cuda:
@@ -360,7 +361,7 @@ class StepMetrics(TrainerCallback):
         # A step with an evaluation is written once its eval loss is known (MoETrainer.evaluate).
         evaluating = eval_set is not None and control.should_evaluate
         record = self.log.record(state.global_step, self.step_loss.sums, label_tokens=self.step_loss.label_tokens,
-                                 lr=lr_scheduler.get_last_lr()[0], grad_norm=self.grad_norm, skipped=self.skipped,
+                                 lr=self.lr, grad_norm=self.grad_norm, skipped=self.skipped,
                                  step_time=time.perf_counter() - self.start, write=not evaluating)
         self.eval_pending = record if evaluating else None
 

@@ -30,14 +30,14 @@ output_dir = "output/fsdp2"  # metrics.jsonl, summary.json and the final HF mode
 overwrite_output_dir = False  # refuse to write over an earlier run's results unless true
 ep_size = 0  # expert-parallel degree; 0 = all ranks (dp = world_size // ep_size)
 shard_experts = "auto"  # FSDP-shard each expert over dp too ("true") or replicate it ("false"); "auto": true across nodes (inputs.py)
-ep_capacity_factor = -1.0  # > 0 at ep > 1: the expert exchange at fixed shapes, no host sync (GPUs: each rank receives at most this x its mean rows, read from its peers' memory; CPU: blocks of this x a peer's mean share); a micro-step that overflows reruns exactly (under CUDA graphs: the step) (0: the exact exchange; -1 auto: 2 at ep 2 and 3 at ep 4 = world size on one GPU node, with whole micro-steps as CUDA graphs, where nothing blocks them and the dense weights fit whole on each rank, else 0: megablocks_utils/train/auto_exchange.py)
+ep_capacity_factor = -1.0  # > 0 at ep > 1: the expert exchange at fixed shapes (no host sync); 0: exact; -1: auto (README)
 dp_replicate = 1  # HSDP: replicas of the FSDP shards (the number of nodes keeps all-gathers inside a node); 1 = plain FSDP
 optim = "adamw_torch"  # "adamw_torch" (fp32 weights and state, 16 B/param), "adamw_bf16", "adamw_torch_8bit" (megablocks_utils/train/optim.py)
 finetuning = "full"  # "full" (every weight trains) or "lora" (weights frozen in the compute dtype, adapters train; final/ is a PEFT adapter)
 lora_r = 16  # LoRA rank of each adapter
 lora_alpha = 32  # LoRA scale: adapters add (alpha / r) * B A
 lora_dropout = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
-lora_target_modules = "auto"  # "auto" (the model's attention projections and routed experts, docs/lora.md) or PEFT names, comma-separated (never routers)
+lora_target_modules = "auto"  # "auto" (attention and routed experts, docs/lora.md) or PEFT names, comma-separated
 merge_lora = False  # finetuning="lora": also write the merged model in hub layout to output_dir/merged
 quantize_base = "none"  # finetuning="lora": "fp8" holds the frozen experts and linear layers in FP8 (one GPU, sm89+)
 moe_backend = "native"  # "native" (grouped GEMM + all-to-all) or "megablocks"
@@ -60,11 +60,11 @@ seed = 42  # model-independent seeding: data order, dropout
 dtype = "auto"  # "auto" (bf16 compute with fp32 params on GPU, fp32 on CPU), "bf16" or "fp32"
 activation_checkpointing = "none"  # "none", "full" (recompute each decoder layer in backward) or "selective" (keep GEMM outputs)
 activation_checkpointing_layers = -1  # checkpoint only this many decoder layers, spread evenly (the rest run faster); -1 = all
-checkpoint_experts = False  # in the layers not checkpointed, recompute only the routed experts in backward (most of a layer's activations, little of its work)
-recompute_swiglu = False  # the experts' SwiGLU output made again in backward, not kept (GPU, SiLU experts, no expert LoRA): 2 x top_k x moe width bytes a token and layer for one element-wise pass; ep 1 only until run above it on GPUs
-fsdp_wrap = "auto"  # FSDP units of the dense weights (train/memory_plan.FSDP_WRAP_SETTINGS): "layer" (each decoder layer, gathered when used: least memory), "model" (all at once, kept through the step: no per-layer hooks on the host, more memory), "none" (ep = world size, --optim adamw_bf16: no FSDP, dense weights whole on every rank, gradients averaged once a step; with ep_capacity_factor > 0 the micro-steps can be CUDA graphs), "auto" (model where ep = world size and its estimate is within 90% of the GPU)
-compile_dense = True  # torch.compile each decoder layer's attention and norms (GPU only; 7.7% faster steps at Mixtral width)
-cuda_graphs = "auto"  # CUDA graphs after 2 warm-up steps: "auto" (one GPU: each micro-step, where the step allows it), "true" (each micro-step), "segments" (ep = world size > 1: each layer's norms and attention, the MoE part from Python; sets fsdp_wrap auto to none), "false"
+checkpoint_experts = False  # in layers not checkpointed, recompute only the routed experts in backward
+recompute_swiglu = False  # make the experts' SwiGLU output again in backward, not keep it (GPU; ep 1 so far)
+fsdp_wrap = "auto"  # FSDP units of the dense weights: "layer", "model", "none" or "auto" (README: which and when)
+compile_dense = True  # torch.compile each layer's attention, norms and dense MLPs (GPU only)
+cuda_graphs = "auto"  # replay each micro-step from a CUDA graph: "auto", "true", "segments" or "false" (README)
 chunked_loss = True  # the loss inside lm_head's forward over chunks of rows, no full-vocabulary logits (false: full logits, then cross-entropy)
 router_aux_loss_coef = -1.0  # load-balancing loss weight; -1 = the model config's router_aux_loss_coef
 load_balance_coeff = 0.0  # aux-loss-free balancing: per-expert routing bias step (DeepSeek-V3); 0 = off
@@ -369,7 +369,7 @@ try:  # fsdp_wrap none with weights FSDP would have cast is refused here (parall
 except ValueError as e:
     fail(e)
 if master and compiled:
-    print(f"compile_dense: {compiled} attention/norm modules compiled (the first steps include compiling)", flush=True)
+    print(f"compile_dense: {compiled} attention, norm and dense MLP modules compiled (the first steps include compiling)", flush=True)
 if master and recompute_swiglu:
     print(recompute_swiglu_text(model, device.type), flush=True)
 left_out = fsdp_left_out(model, mesh, compute_dtype)
@@ -536,6 +536,7 @@ for step in range(start_step, total_steps):
         clipped_step(optimizer, clip_coef, prepared)
         # The step's global expert load (the same on every rank) moves the routing bias toward balance.
         update_routing_bias(model, step_loss.sums.tokens_per_expert, load_balance_coeff)
+    lr = scheduler.get_last_lr()[0]  # the rate this step used (what Trainer logs), before the schedule moves on
     scheduler.step()  # also when skipped: the learning rate stays a function of the step, as the data does
     if graphs is not None:  # the graphs add into gradients that stay where they are
         graphs.zero_grads()
@@ -555,7 +556,7 @@ for step in range(start_step, total_steps):
                               max_length, attention)
     # The step's record, the same on every rank, from numbers the host read before the optimizer step (no host
     # sync here); rank 0 writes it to metrics.jsonl.
-    record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=scheduler.get_last_lr()[0],
+    record = log.record(step + 1, step_loss.sums, label_tokens=step_loss.label_tokens, lr=lr,
                         grad_norm=step_loss.sums.grad_norm, skipped=skipped, step_time=step_time, eval_loss=evaluated)
     if master:
         if board:

@@ -62,11 +62,12 @@ def plain_transformers_losses(model_dir: str, data_path: str, s: dict) -> list[d
             ce_total += float(ce.detach())
             aux_total += float(aux.detach()) / grad_accum
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s["max_grad_norm"])
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         records.append({"step": step + 1, "loss": ce_total / label_tokens + config.router_aux_loss_coef * aux_total,
-                        "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
+                        "grad_norm": float(grad_norm), "lr": lr})
     return records
 
 

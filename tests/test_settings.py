@@ -253,3 +253,13 @@ def test_settings_are_only_the_declared_ones(script):
         assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) <= names
         result = run(script, "--WARMUP_STEPS", "0")
         assert result.returncode == 2 and "WARMUP_STEPS" in result.stderr, result.stderr[-500:]
+
+
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_fsdp1.py"])
+def test_each_setting_is_one_short_line(script):
+    """nanoGPT's block: a setting, its default and a one-line comment; the long why lives in README and docs/."""
+    lines = open(os.path.join(ROOT, script)).read().split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ---") and line.endswith(" settings"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("# ---"))
+    long = [line[:40] for line in lines[start + 1 : end] if len(line) > 150]
+    assert not long, long

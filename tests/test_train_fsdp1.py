@@ -116,6 +116,18 @@ def test_readme_command_equals_fsdp2_and_one_process(runs):
     assert SUMMARY_FIELDS <= set(summary), SUMMARY_FIELDS - set(summary)
 
 
+def test_each_step_records_the_rate_it_used_as_trainer_logs_it(runs):
+    """metrics.jsonl's lr is the rate the step's update used: what Trainer's own log says (its trainer_state.json), and
+    train_fsdp2.py's records of the same schedule (the first step of a warmup from zero: 0)."""
+    checkpoints = sorted(glob.glob(os.path.join(runs["fsdp1"], "checkpoint-*")), key=lambda p: int(p.rsplit("-", 1)[1]))
+    state = json.load(open(os.path.join(checkpoints[-1], "trainer_state.json")))
+    logged = {h["step"]: h["learning_rate"] for h in state["log_history"] if "learning_rate" in h}
+    ours = {r["step"]: r["lr"] for r in metrics(runs["fsdp1"])}
+    assert logged and ours[1] == 0.0 and ours[2] > 0
+    assert all(ours[step] == pytest.approx(lr, rel=1e-6) for step, lr in logged.items()), (logged, ours)
+    assert [r["lr"] for r in metrics(runs["fsdp2"])] == pytest.approx(list(ours.values()))
+
+
 def test_sharding_is_real(runs):
     summary = json.load(open(os.path.join(runs["fsdp1"], "summary.json")))
     assert summary["distributed_type"] == "DistributedType.FSDP"

@@ -429,20 +429,23 @@ class MemoryEstimate:
     expert_grads_persist: bool = False  # expert gradients live across micro-steps, next to the activations
     adapters: int = 0  # LoRA's adapter parameters (global); 0 for a full fine-tune
 
-    def describe(self) -> str:
+    def describe(self, on_gpus: bool = True) -> str:
+        """The model, the plan and (``on_gpus``) the peak per GPU by kind; on CPU ranks the first two only."""
         p = self.plan
         lines = [
-            f"{self.name}: {self.counts.total / 1e9:.2f} B params ({self.counts.active / 1e9:.2f} B active; "
-            f"{self.counts.expert / 1e9:.2f} B in {self.counts.num_experts} experts x {self.counts.moe_layers} layers, top-{self.counts.top_k})",
-            f"plan: {p.world_size} GPUs, ep {self.ep} x dp {p.world_size // self.ep}"
+            f"{self.name}: {_count(self.counts.total)} params ({_count(self.counts.active)} active; "
+            f"{_count(self.counts.expert)} in {self.counts.num_experts} experts x {self.counts.moe_layers} layers, top-{self.counts.top_k})",
+            f"plan: {p.world_size} {'GPUs' if on_gpus else 'CPU ranks'}, ep {self.ep} x dp {p.world_size // self.ep}"
             + (f" (dp_replicate {p.dp_replicate})" if p.dp_replicate > 1 else "")
             + f", shard_experts {str(self.shard_experts).lower()}, optim {p.optim}, micro batch {p.per_device_train_batch_size}"
             f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
             f"{checkpointing_text(self)}" + {"model": ", FSDP units: the whole model", "none": ", dense weights whole on every rank (no FSDP)"}.get(p.fsdp_wrap, "")
             + (f", LoRA r {p.lora_r} ({self.adapters / 1e6:.1f} M adapter params train; the weights are frozen in "
                f"{'fp8 (experts, linear layers)' if p.quantize_base == 'fp8' else 'bf16'})" if p.finetuning == "lora" else ""),
-            "per GPU                GiB",
         ]
+        if not on_gpus:
+            return "\n".join(lines)
+        lines.append("per GPU                GiB")
         for label, value in [
             ("params", self.params),
             ("optimizer state", self.optimizer_state),
@@ -465,6 +468,11 @@ class MemoryEstimate:
             why = "grads overlap activations + logits + accumulated grads: the larger counts"
         lines.append(f"  {'peak':<19}{self.total / GiB:7.1f}   ({why})")
         return "\n".join(lines)
+
+
+def _count(n: float) -> str:
+    """A parameter count as people say it: 30.53 B, 0.92 M."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
 # The ``fsdp_wrap`` setting's values: the FSDP units a run may build (parallel/mesh.FSDP_WRAPS) or "auto"
@@ -993,8 +1001,8 @@ def check_fit(estimate: MemoryEstimate, gpu_memory_bytes: float, *, hint: bool =
     import torch.distributed as dist
 
     master = dist.get_rank() == 0
-    if master:
-        print(estimate.describe(), flush=True)
+    if master:  # on CPU ranks no memory is planned: the model and the layout only
+        print(estimate.describe(on_gpus=gpu_memory_bytes > 0), flush=True)
     if gpu_memory_bytes > 0:
         too_big = fit_error(estimate, gpu_memory_bytes)
         if too_big:
