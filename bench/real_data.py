@@ -199,7 +199,7 @@ def placed_model(run: str, args, work: str) -> str:
     placed = f"{args.dir.rstrip('/')}-placed-ep{args.ep}-{base}"
     if not os.path.isfile(os.path.join(placed, "expert_order.json")):
         place(args.dir, placed, loads, args.ep)
-        os.sync()  # the 15th session's placed runs, without it: first steps 0.62-0.75 s, later ones 0.54 as the plain run's
+        os.sync()  # placed runs of 2026-11-27, without it: first steps 0.62-0.75 s, later ones 0.54 as the plain run's
     return placed
 
 

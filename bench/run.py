@@ -405,7 +405,7 @@ def ep_scaling(s: Session) -> str:
     """Tokens/s per GPU at each GPU count with ep = the count: ours on synthetic rows and chat records at defaults
     (bench/real_data.py --ep N) and transformers' FSDP2 + EP on the same checkpoint and batch (bench/bench_peer_hf.py on N
     GPUs, 1 x 4096 x 4 per GPU, bf16, with --data: ours' synthetic rows, which real_data.py writes in ``work``, and ours'
-    packed chat rows; until the 24th session its synthetic side ran on random token ids; on one GPU its own model on
+    packed chat rows; until 2026-11-28 its synthetic side ran on random token ids; on one GPU its own model on
     ours' rows, real_data.py's hf_synthetic and hf_sdpa), in one call: per GPU against ours on one GPU (issue #40's 85%
     target) and ours against transformers on the same kind of rows at each count (its 2x target)."""
     from real_data import GRAD_ACCUM, MICRO_BATCH, SEQ

@@ -1,4 +1,4 @@
-"""Probe of the static exchange (megablocks_utils/moe/static_exchange.py) on GPUs, for the session that wires it into
+"""Probe of the static exchange (megablocks_utils/moe/static_exchange.py) on GPUs, for the change that wires it into
 the layer: what its fixed shapes cost and buy at Qwen3-30B-A3B's MoE layer, ep = the GPU count.
 
     source bench/device_env.sh

@@ -60,7 +60,7 @@ def test_a_launch_that_no_longer_fits_the_budget_is_skipped(tmp_path):
 
 def test_a_launch_the_budget_cuts_short_says_so(tmp_path, capsys, monkeypatch):
     """A budget that leaves a command less than its own limit: the launch line says so, and the timeout's record names
-    the budget, not the command (the 24th session's one-GPU side died this way and read as "exit timeout")."""
+    the budget, not the command (a one-GPU side on 2026-11-28 died this way and read as "exit timeout")."""
     class Stuck:  # a launch still running when its timeout comes (no minute of waiting in the test)
         pid = -1
 

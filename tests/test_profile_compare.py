@@ -1,4 +1,4 @@
-"""bench/profile_steps.py --compare: earlier runs' kernels side by side, by part of the ep step, on the 24th session's
+"""bench/profile_steps.py --compare: earlier runs' kernels side by side, by part of the ep step, on 2026-11-28's
 records (4 x H200: one GPU, ep 4 under the checkpoint's own and balanced routing). The expected figures were summed by
 hand from the same records' kernel lists (bench/reports/ep4_profile_full_size_h200x4_2026-11-28e.md, section 3)."""
 

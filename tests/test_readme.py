@@ -145,5 +145,8 @@ def test_no_pointer_to_a_readme_section_that_moved():
 
 def test_benchmarks_is_a_current_page():
     """BENCHMARKS.md keeps today's numbers with their commands (at most 250 lines); dated reports live in bench/reports/."""
-    assert len(read("BENCHMARKS.md").splitlines()) <= 250
+    text = read("BENCHMARKS.md")
+    assert len(text.splitlines()) <= 250
+    assert text.split("\n## ", 2)[1].startswith("Headline"), "the headline table comes first"
+    assert not re.search(r"session|\bcall [A-Z0-9]\b", text, re.I), re.search(r".{40}(session|\bcall [A-Z0-9]\b).{40}", text, re.I)
     assert os.listdir(os.path.join(ROOT, "bench", "reports"))

@@ -53,7 +53,7 @@ class _SiluMulDown(torch.autograd.Function):
     """SwiGLU, then the down projection, saving gate_up only: the backward makes SwiGLU's output again (the forward's
     own kernel, so the same bits) instead of keeping it for the down GEMM's weight gradient. That output is
     2 x k x I bytes a token and layer (Mixtral-8x7B: 57 KB, ~7 GiB a 4,096-token micro-batch over 32 layers); making it
-    again is one element-wise pass over gate_up (1-2% of a step on one H200: bench/results/session29 call K, session31 A).
+    again is one element-wise pass over gate_up (1-2% of a step on one H200, 2026-11-29: BENCHMARKS.md's memory table).
     ``w_down`` as stored ([E, H, I], used as ``h @ w_e^T`` with ``transpose_weight``; or [E, I, H]); ``into``: where its
     gradient goes (``weight_grad.WeightGradInto``), or None: returned to autograd."""
 
@@ -273,7 +273,7 @@ class LocalExperts:
             # The grouped GEMMs stop at their last offset, so the rows past it (the static exchange's padding) are
             # never read, either way; one expert's plain GEMMs read every row (their weight gradients sum them). Rows
             # without padding keep the compiled forward and the unbounded backward (faster at Qwen3's width: the
-            # bounded backward took 0.137 against 0.093 ms a call on one H200, bench/swiglu_bench.py, 26th session).
+            # bounded backward took 0.137 against 0.093 ms a call on one H200, bench/swiglu_bench.py, 2026-11-29).
             hidden = silu_mul(gate_up, valid)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)

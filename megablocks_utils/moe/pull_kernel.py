@@ -12,7 +12,7 @@ holds, for pair q = s * T + t, the rows (slots) its copies take among this rank'
 - ``expand_backward``: the same read (the output gradient) times each slot's weight, and each weight's gradient.
 - ``sum_slots``: each pair's slots summed (weighted or not) in fp32 into one row of this rank's shared buffer, in the
   compute dtype: the rows every peer reads back (``sum_ranks``) are half the bytes of fp32 in bf16, at the cost of one
-  more rounding per rank holding a token's copies (the 24th session's ep 4 profile: the rank sums' reads were 31 of a
+  more rounding per rank holding a token's copies (the ep 4 profile of 2026-11-28: the rank sums' reads were 31 of a
   431 ms step in fp32).
 - ``sum_ranks``: each of my tokens' rows summed over the ranks holding its copies.
 - ``read_scalars``: each of my copies' value at its slot on its owner (the router weights' gradients).

@@ -60,7 +60,7 @@ CAPTURABLE_ATTENTION = ("sdpa_causal", "varlen")
 def document_multiple(world_size: int) -> int:
     """The multiple varlen's document count is padded to under graphs (``data.collate``), a graph per value. The flash
     kernel's grid grows with the count, empty documents included: 64 slots for the chat records' ~5 documents a row
-    cost ~17 ms a step on one H200 (Qwen3 shape, 12 layers; bench/results/session28 call D). One rank pads to 8 (a few
+    cost ~17 ms a step on one H200 (Qwen3 shape, 12 layers, 2026-11-29). One rank pads to 8 (a few
     more graphs); several ranks keep 64, so that every rank's count agrees and their graphs' collectives pair up."""
     return DOCUMENT_MULTIPLE_ONE_RANK if world_size == 1 else DOCUMENT_MULTIPLE
 
