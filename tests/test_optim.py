@@ -159,7 +159,7 @@ def test_weight_decay_skips_what_trainer_skips(arch):
 
 def test_the_8bit_step_compiles_with_one_kernel_config_per_kernel(monkeypatch):
     """adamw_torch_8bit's step runs under Inductor's deterministic mode with pointwise configs not timed (every rank
-    compiles the same kernels, so replicated weights stay equal: bench/optim_replica_probe.py), and only inside it."""
+    compiles the same kernels, so replicated weights stay equal: bench/reports/probes_retired_2026-12-02.md), and only inside it."""
     import torch._inductor.config as inductor_config
     from torchao.optim import AdamW8bit
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Columns per step and warps per program: the nineteenth and twentieth sessions' probe (bench/symm_pull_probe.py) found
+# Columns per step and warps per program: the probe of 2026-11-28 (bench/reports/probes_retired_2026-12-02.md) found
 # every shape from 512 x 2 to 4096 x 16 within noise at Qwen3-30B-A3B's width (2048) on 4 x H200.
 BLOCK_COLUMNS, WARPS = 1024, 4
 ZERO_ROWS = 8  # padding rows zeroed by one extra program

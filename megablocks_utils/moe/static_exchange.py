@@ -26,7 +26,7 @@ nodes; within a node GPUs read from each other's memory instead, ``pull_exchange
 no padding on the wire); its compute runs the per-expert loop on the valid rows only, and
 ``exchange_mode.run_exactly`` is the caller above: the check once per micro-step and the rerun on the exact exchange
 (tests/test_exchange_mode.py, on CPU ranks). Proved on CPU ranks (tests/test_static_exchange.py);
-bench/static_exchange_probe.py measured it on GPUs (the padding's cost: bench/reports/ep_graphs_h200x4_2026-11-27d.md).
+A probe measured it on GPUs (the padding's cost: bench/reports/ep_graphs_h200x4_2026-11-27d.md).
 """
 
 import math

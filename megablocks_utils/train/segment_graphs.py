@@ -10,7 +10,7 @@ attention, residual, post-attention norm) has fixed shapes and no sync: one grap
 ``torch.cuda.make_graphed_callables`` (forward and backward graphs as one autograd node). So has the native MoE
 block's part before its exchange (router, route, dispatch, shared expert: ``ExpertParallelMoE.before_exchange``), which
 can join the graph where the block sends all tokens at once (``routes_in_graph``; off: ``ROUTE_IN_GRAPH``); the
-exchange, the experts and the combine then stay eager (``after_exchange``). Measured by bench/segment_graphs_probe.py,
+exchange, the experts and the combine then stay eager (``after_exchange``). Measured by a probe (bench/reports/probes_retired_2026-12-02.md),
 a micro-step of the 12-layer stack at ep 4: 118 ms against 163 ms eager (4 x H200, dense segments); 140 ms dense
 segments, 126 ms with the routing, 166 ms eager (4 x H100).
 
@@ -46,7 +46,7 @@ from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
 # Whether a layer's graph reaches to its MoE block's exchange where it can (``routes_in_graph``). Off: on 4 x H200 (ep 4,
 # Qwen3-30B-A3B's shape, 12 layers, synthetic rows; 2026-11-28) training took 0.611 s a step with it against 0.614 without
 # (median of 8; with it, the last three steps 0.69-0.89 s) and 2.5 GiB more at its peak (each layer's routed rows and
-# router outputs held as static buffers, which the fit check does not count), though bench/segment_graphs_probe.py's
+# router outputs held as static buffers, which the fit check does not count), though the retired segment-graphs probe's
 # micro-step was 126 ms against 140 ms on 4 x H100. Verified on GPUs either way (tests/gpu/test_graphs_ep.py at ep 2).
 ROUTE_IN_GRAPH = False
 # Signatures with graphs of their own (each holds every layer's segment activations); a micro-step of one more runs eagerly.
