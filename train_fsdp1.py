@@ -278,8 +278,9 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
 # ----------------------------------------------------------------------------- data and model
 ensure_default_model(model_name_or_path)  # the embedded default: made once, locally, deterministically
-# The fit check (megablocks_utils/train/memory_plan.py), before any weight is read: experts replicated over dp here.
-from megablocks_utils.train.memory_plan import check_fit, estimate_memory  # noqa: E402
+# The fit check (megablocks_utils/train/memory_fit.py), before any weight is read: experts replicated over dp here.
+from megablocks_utils.train.memory_fit import check_fit  # noqa: E402
+from megablocks_utils.train.memory_plan import estimate_memory  # noqa: E402
 
 # Trainer's AdamW with fp32 weights (the lean optims are train_fsdp2.py's; docs/train_fsdp1.md says why).
 plan = estimate_memory(model_name_or_path, world_size=world_size, ep_size=ep, optim="adamw_torch", shard_experts=False,

@@ -117,12 +117,9 @@ from megablocks_utils.train.auto_exchange import AUTO, resolve_capacity_factor, 
 from megablocks_utils.train.optim import param_dtype  # noqa: E402
 from megablocks_utils.train.segment_graphs import SegmentGraphs  # noqa: E402
 from megablocks_utils.train.segment_plan import resolve_segment_graphs, segment_blocker  # noqa: E402
-from megablocks_utils.train.memory_plan import (  # noqa: E402
-    check_checkpointed_layers,
-    check_fit,
-    estimate_memory,
-    graphs_memory_blocker,
-)
+from megablocks_utils.train.memory_activations import check_checkpointed_layers  # noqa: E402
+from megablocks_utils.train.memory_fit import check_fit, graphs_memory_blocker  # noqa: E402
+from megablocks_utils.train.memory_plan import estimate_memory  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 RESULTS = ("metrics.jsonl", "summary.json", "final", "merged", "checkpoints")  # what a run leaves in output_dir

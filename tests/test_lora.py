@@ -319,7 +319,8 @@ def test_readme_lora_commands_parse_and_fit():
 
     from megablocks_utils.config.settings import parse_settings
     from megablocks_utils.model.loading import load_config
-    from megablocks_utils.train.memory_plan import estimate_memory, fit_error
+    from megablocks_utils.train.memory_fit import fit_error
+    from megablocks_utils.train.memory_plan import estimate_memory
 
     gpus = {"Qwen3-30B-A3B": ("qwen3-30b-a3b", 141), "Mixtral-8x7B-v0.1": ("mixtral-8x7b", 80)}
     text = open(os.path.join(ROOT, "README.md")).read().split("\n## LoRA on every expert\n", 1)[1].split("\n## ", 1)[0]

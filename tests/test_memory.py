@@ -17,8 +17,10 @@ from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.loading import load_config
 from megablocks_utils.tools import memory
-from megablocks_utils.train import memory_plan
-from megablocks_utils.train.memory_plan import GiB, count_params, estimate_memory, fit_error
+from megablocks_utils.train import memory_activations, memory_fit, memory_plan
+from megablocks_utils.train.memory_counts import GiB, count_params
+from megablocks_utils.train.memory_fit import fit_error
+from megablocks_utils.train.memory_plan import estimate_memory
 
 CONFIGS = os.path.join(ROOT, "tests", "configs")
 MIXTRAL_8X7B = os.path.join(CONFIGS, "mixtral-8x7b")
@@ -183,7 +185,7 @@ def test_replicated_dense_weights_need_the_compute_dtype_and_ep_world_size():
 def test_fsdp_wrap_auto_is_the_whole_model_only_at_ep_world_size_and_where_it_fits():
     sizes = {"layer": 10 * GiB, "model": 12 * GiB}
     plan = lambda wrap: type("E", (), {"total": sizes[wrap]})()  # noqa: E731
-    resolve = memory_plan.resolve_fsdp_wrap
+    resolve = memory_fit.resolve_fsdp_wrap
     assert resolve("auto", plan, 16 * GiB, world_size=2, ep=2) == "model"
     assert resolve("auto", plan, 0, world_size=4, ep=4) == "model"  # on CPU: nothing to fit into
     assert resolve("auto", plan, 11 * GiB, world_size=2, ep=2) == "layer"  # the whole model would not fit
@@ -197,7 +199,7 @@ def test_fsdp_wrap_auto_is_none_where_segment_graphs_are_planned_and_it_fits():
     """cuda_graphs segments need the dense weights whole on every rank: auto gives "none" there, within the same 90%."""
     sizes = {"layer": 10 * GiB, "model": 12 * GiB, "none": 13 * GiB}
     plan = lambda wrap: type("E", (), {"total": sizes[wrap]})()  # noqa: E731
-    resolve = memory_plan.resolve_fsdp_wrap
+    resolve = memory_fit.resolve_fsdp_wrap
     assert resolve("auto", plan, 16 * GiB, world_size=2, ep=2, replicated=True) == "none"
     assert resolve("auto", plan, 0, world_size=2, ep=2, replicated=True) == "none"  # on CPU: nothing to fit into
     assert resolve("auto", plan, 14 * GiB, world_size=2, ep=2, replicated=True) == "model"  # none past 90%, model within
@@ -259,9 +261,9 @@ def test_optimizers_bytes_per_parameter():
 
 def test_checkpointing_keeps_less_and_activations_grow_with_tokens():
     config = load_config(MIXTRAL_8X7B)
-    none, selective, full = (memory_plan.activation_bytes(config, 4096, m) for m in ("none", "selective", "full"))
+    none, selective, full = (memory_activations.activation_bytes(config, 4096, m) for m in ("none", "selective", "full"))
     assert full < selective < none
-    assert memory_plan.activation_bytes(config, 8192, "none") == pytest.approx(2 * none)
+    assert memory_activations.activation_bytes(config, 8192, "none") == pytest.approx(2 * none)
     # Without checkpointing a Mixtral layer keeps at least its experts' rows in, gate_up and SwiGLU outputs
     # (2 copies of each token: 2 * (4096 + 2*14336 + 14336) bf16 elements), for all 32 layers.
     assert none > 32 * 4096 * 2 * 2 * (4096 + 3 * 14336)
@@ -277,24 +279,24 @@ def test_the_static_exchange_holds_its_capacity_of_rows_and_two_buffers():
     plan = dict(world_size=4, ep_size=4, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1)
     exact, static = (estimate_memory(config, **plan, ep_capacity_factor=f) for f in (0.0, 3.0))
     k, h, inter, layers, tokens = 8, 2048, 768, 48, 4096
-    grown = (3.0 - memory_plan.EXPERT_LOAD_IMBALANCE) * 2 * k * (h + 2 * inter + inter) * tokens * layers
+    grown = (3.0 - memory_activations.EXPERT_LOAD_IMBALANCE) * 2 * k * (h + 2 * inter + inter) * tokens * layers
     buffers = 2 * h * k * tokens * (1 + 3.0)
     assert static.activations - exact.activations == pytest.approx(grown + buffers, rel=0.02)
     assert estimate_memory(config, **{**plan, "world_size": 1, "ep_size": 1}, ep_capacity_factor=3.0).activations == \
         estimate_memory(config, **{**plan, "world_size": 1, "ep_size": 1}).activations
     capped = estimate_memory(config, **plan, ep_capacity_factor=9.0)  # a receiver never holds more than ep x the mean
     assert capped.activations - exact.activations == pytest.approx(
-        (4.0 - memory_plan.EXPERT_LOAD_IMBALANCE) / (3.0 - memory_plan.EXPERT_LOAD_IMBALANCE) * grown + buffers * 5 / 4, rel=0.02)
+        (4.0 - memory_activations.EXPERT_LOAD_IMBALANCE) / (3.0 - memory_activations.EXPERT_LOAD_IMBALANCE) * grown + buffers * 5 / 4, rel=0.02)
     low = estimate_memory(config, **plan, ep_capacity_factor=1.0)
-    assert low.activations - exact.activations == pytest.approx(2 * h * k * tokens * (1 + memory_plan.EXPERT_LOAD_IMBALANCE))
+    assert low.activations - exact.activations == pytest.approx(2 * h * k * tokens * (1 + memory_activations.EXPERT_LOAD_IMBALANCE))
 
 
 def test_checkpointing_a_count_of_layers_keeps_the_rest():
     """Each layer left out of checkpointing keeps its full activations: the estimate moves by the same
     step per layer, from full on all 32 to none; a count of 0 is none, one above the model is refused."""
     config = load_config(MIXTRAL_8X7B)
-    act = {k: memory_plan.activation_bytes(config, 4096, "full", k) for k in (-1, 32, 24, 16, 8, 0)}
-    none = memory_plan.activation_bytes(config, 4096, "none")
+    act = {k: memory_activations.activation_bytes(config, 4096, "full", k) for k in (-1, 32, 24, 16, 8, 0)}
+    none = memory_activations.activation_bytes(config, 4096, "none")
     assert act[-1] == act[32] < act[24] < act[16] < act[8] < none == act[0]
     assert act[8] - act[16] == pytest.approx(act[16] - act[24]) == pytest.approx(act[24] - act[32])
     # A layer's step: its "none" activations (at least its experts' rows in, gate_up and SwiGLU outputs, as in
@@ -320,21 +322,21 @@ def test_fit_error_offers_the_fewest_checkpointed_layers_that_fit():
     count = int(re.search(r"--activation_checkpointing full --activation_checkpointing_layers (\d+)", message).group(1))
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count).total <= budget
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count - 1).total > budget
-    assert "checkpointing full on" in memory_plan._settings_text(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count))
+    assert "checkpointing full on" in memory_fit._settings_text(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count))
 
 
 def test_checkpointing_hint_names_how_few_layers_are_enough():
     budget = 139.8 * GiB
     every = _h200x4(activation_checkpointing="full")
-    hint = memory_plan.checkpointing_hint(every, budget)
+    hint = memory_fit.checkpointing_hint(every, budget)
     count = int(re.search(r"--activation_checkpointing_layers (\d+)", hint).group(1))
     assert 0 < count < 32
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count).total <= 0.9 * budget
     assert _h200x4(activation_checkpointing="full", activation_checkpointing_layers=count - 1).total > 0.9 * budget
-    assert memory_plan.checkpointing_hint(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count), budget) is None
-    assert memory_plan.checkpointing_hint(_h200x4(), budget) is None  # no checkpointing: nothing to leave out
-    assert memory_plan.checkpointing_hint(every, 80 * GiB) is None  # needs every layer there (and more)
-    roomy = memory_plan.checkpointing_hint(every, 200 * GiB)
+    assert memory_fit.checkpointing_hint(_h200x4(activation_checkpointing="full", activation_checkpointing_layers=count), budget) is None
+    assert memory_fit.checkpointing_hint(_h200x4(), budget) is None  # no checkpointing: nothing to leave out
+    assert memory_fit.checkpointing_hint(every, 80 * GiB) is None  # needs every layer there (and more)
+    roomy = memory_fit.checkpointing_hint(every, 200 * GiB)
     assert roomy.startswith("activation checkpointing: none would fit") and _h200x4().total <= 0.9 * 200 * GiB
 
 
@@ -465,7 +467,7 @@ def test_cli_defaults_are_train_fsdp2s():
     compared = 0
     for name, default in memory_plan.DEFAULTS.items():
         if name in script:
-            value = memory_plan.checkpointing_mode(script[name]) if name == "activation_checkpointing" else script[name]
+            value = memory_activations.checkpointing_mode(script[name]) if name == "activation_checkpointing" else script[name]
             assert default == value, name
             compared += 1
     assert compared >= 4 and "ep_capacity_factor" in script and "cuda_graphs" in script
@@ -575,13 +577,13 @@ def test_checkpoint_experts_keeps_less_than_none_and_more_than_full():
     """Recomputing the routed experts drops their rows, gate_up and SwiGLU outputs and the outputs the weighted sum
     keeps (some 100 of a Qwen3 layer's 163 KB per token, measured) and nothing of attention's."""
     config = load_config(QWEN3)
-    none, full = memory_plan.activation_bytes(config, 4096, "none"), memory_plan.activation_bytes(config, 4096, "full")
-    experts = memory_plan.activation_bytes(config, 4096, "none", -1, experts=True)
+    none, full = memory_activations.activation_bytes(config, 4096, "none"), memory_activations.activation_bytes(config, 4096, "full")
+    experts = memory_activations.activation_bytes(config, 4096, "none", -1, experts=True)
     assert full < experts < none
     per_layer_token = (none - experts) / 48 / 4096
     assert 80e3 < per_layer_token < 140e3, per_layer_token
     # beside full checkpointing on some layers, only the others' experts are recomputed
-    mixed = memory_plan.activation_bytes(config, 4096, "full", 24, True)
+    mixed = memory_activations.activation_bytes(config, 4096, "full", 24, True)
     assert full < mixed < experts
 
 
@@ -604,11 +606,11 @@ def test_fit_check_offers_checkpoint_experts_where_it_fits_for_less_work():
     assert "--checkpoint_experts true (" in message, message
     assert _qwen3_lora_one_gpu(checkpoint_experts=True).total <= 95 * GiB
     full = _qwen3_lora_one_gpu(activation_checkpointing="full")
-    hint = memory_plan.checkpointing_hint(full, 100 * GiB)
+    hint = memory_fit.checkpointing_hint(full, 100 * GiB)
     assert hint.startswith("activation checkpointing: --activation_checkpointing none --checkpoint_experts true would fit"), hint
-    assert memory_plan._recompute_flops(full, activation_checkpointing="none", checkpoint_experts=True) < memory_plan._recompute_flops(full)
-    assert "the routed experts recomputed" in memory_plan._settings_text(_qwen3_lora_one_gpu(checkpoint_experts=True))
-    already = memory_plan.checkpointing_hint(_qwen3_lora_one_gpu(activation_checkpointing="full", checkpoint_experts=True), 100 * GiB)
+    assert memory_fit._recompute_flops(full, activation_checkpointing="none", checkpoint_experts=True) < memory_fit._recompute_flops(full)
+    assert "the routed experts recomputed" in memory_fit._settings_text(_qwen3_lora_one_gpu(checkpoint_experts=True))
+    already = memory_fit.checkpointing_hint(_qwen3_lora_one_gpu(activation_checkpointing="full", checkpoint_experts=True), 100 * GiB)
     assert already is None or "--checkpoint_experts" not in already  # not offered twice
 
 
@@ -620,7 +622,7 @@ def test_recompute_swiglu_drops_swiglus_output_where_the_gpu_makes_it_again(monk
 
     plan = dict(world_size=1, optim="adamw_bf16", max_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=4)
     kept, again = (estimate_memory(MIXTRAL_8X7B, recompute_swiglu=r, **plan) for r in (False, True))
-    assert kept.activations - again.activations == 4096 * 32 * memory_plan.EXPERT_LOAD_IMBALANCE * 2 * 2 * 14336
+    assert kept.activations - again.activations == 4096 * 32 * memory_activations.EXPERT_LOAD_IMBALANCE * 2 * 2 * 14336
     # beside full checkpointing on half the layers: only the other half keeps (and drops) it
     half = [estimate_memory(MIXTRAL_8X7B, recompute_swiglu=r, activation_checkpointing="full", activation_checkpointing_layers=16,
                             **plan).activations for r in (False, True)]
@@ -653,9 +655,9 @@ def test_checkpointing_hint_offers_recompute_swiglu_where_it_spares_whole_layers
     kept, again = (estimate_memory(MIXTRAL_8X7B, recompute_swiglu=r, **plan) for r in (False, True))  # no checkpointing
     gpu = 1.0001 * again.total / 0.9  # no checkpointing fits within 90% only with SwiGLU's output made again
     assert kept.total > 0.9 * gpu
-    hint = memory_plan.checkpointing_hint(full, gpu)
+    hint = memory_fit.checkpointing_hint(full, gpu)
     assert hint.startswith("activation checkpointing: --activation_checkpointing none --recompute_swiglu true would fit"), hint
-    assert memory_plan.checkpointing_hint(estimate_memory(MIXTRAL_8X7B, activation_checkpointing="full", recompute_swiglu=True,
+    assert memory_fit.checkpointing_hint(estimate_memory(MIXTRAL_8X7B, activation_checkpointing="full", recompute_swiglu=True,
                                                           **plan), gpu).startswith("activation checkpointing: none would fit")
 
 
@@ -665,7 +667,7 @@ def test_cuda_graphs_are_planned_with_their_pool(tokens, fits):
     trained with whole micro-steps as graphs; at 65,536 the capture ran out of memory (61.8 GiB in the graph's pool beside
     the eager steps' blocks). The plan keeps graphs for the first and says why not for the second."""
     from megablocks_utils.model.loading import load_config
-    from megablocks_utils.train.memory_plan import estimate_memory, graphs_memory_blocker
+    from megablocks_utils.train.memory_fit import graphs_memory_blocker
 
     config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-30b-a3b"))
     config.num_hidden_layers = 6

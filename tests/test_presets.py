@@ -12,7 +12,8 @@ from conftest import ROOT
 from test_settings import BLOCK, FSDP2
 
 from megablocks_utils.config.settings import parse_settings
-from megablocks_utils.train.memory_plan import checkpointing_hint, estimate_memory, fit_error
+from megablocks_utils.train.memory_fit import checkpointing_hint, fit_error
+from megablocks_utils.train.memory_plan import estimate_memory
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 # preset -> (the published config.json it is for, GPUs, GiB per GPU)

@@ -24,7 +24,6 @@ from megablocks_utils.moe.quantized import (
     FP4_VALUES,
     QuantizedWeight,
     dequantize,
-    frozen_matmul,
     quantize_fp8,
 )
 
@@ -431,7 +430,8 @@ def test_fit_check_counts_the_fp8_base_and_offers_it():
     from megablocks_utils.model.architectures import decoder_layers
     from megablocks_utils.model.lora import meta_model
     from megablocks_utils.model.loading import load_config
-    from megablocks_utils.train.memory_plan import estimate_memory, fit_error
+    from megablocks_utils.train.memory_fit import fit_error
+    from megablocks_utils.train.memory_plan import estimate_memory
 
     path = os.path.join(os.path.dirname(__file__), "configs", "qwen3-30b-a3b")
     model = meta_model(load_config(path))

@@ -222,7 +222,7 @@ def test_one_parser_reads_true_false_words_for_every_setting():
     from megablocks_utils.parallel.activation_checkpointing import (
         parse_activation_checkpointing,
     )
-    from megablocks_utils.train.memory_plan import checkpointing_mode
+    from megablocks_utils.train.memory_activations import checkpointing_mode
 
     for word, value in [("1", True), ("True", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
                         ("No", False), ("off", False)]:

@@ -17,16 +17,10 @@ from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
 from megablocks_utils.model.loading import load_config
 from megablocks_utils.train.auto_exchange import AUTO, plan_as_the_script
-from megablocks_utils.train.memory_plan import (
-    DEFAULTS,
-    FSDP_WRAP_SETTINGS,
-    GiB,
-    OPTIM_BYTES,
-    checkpointing_hint,
-    checkpointing_mode,
-    estimate_memory,
-    fit_error,
-)
+from megablocks_utils.train.memory_activations import checkpointing_mode
+from megablocks_utils.train.memory_counts import OPTIM_BYTES, GiB
+from megablocks_utils.train.memory_fit import checkpointing_hint, fit_error
+from megablocks_utils.train.memory_plan import DEFAULTS, FSDP_WRAP_SETTINGS, estimate_memory
 
 
 class _Parser(argparse.ArgumentParser):

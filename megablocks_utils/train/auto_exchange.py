@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch
 
 from megablocks_utils.train.cuda_graph import graph_blocker
-from megablocks_utils.train.memory_plan import PARAM_DTYPE, MemoryEstimate, resolve_fsdp_wrap
+from megablocks_utils.train.memory_counts import PARAM_DTYPE
+from megablocks_utils.train.memory_fit import resolve_fsdp_wrap
+from megablocks_utils.train.memory_plan import MemoryEstimate
 from megablocks_utils.train.segment_plan import resolve_segment_graphs, segment_blocker
 
 AUTO = -1.0

@@ -41,7 +41,7 @@ import torch
 
 from megablocks_utils.parallel.grads import scale_grads_
 from megablocks_utils.train.adamw_bf16 import AdamWBF16
-from megablocks_utils.train.memory_plan import OPTIM_BYTES, PARAM_DTYPE
+from megablocks_utils.train.memory_counts import OPTIM_BYTES, PARAM_DTYPE
 
 OPTIMIZERS = ("adamw_torch", "adamw_bf16", "adamw_torch_8bit")
 TORCHAO_VERSION = "0.18.0"  # the version these notes were checked with (CPU: torch 2.13; the GPU wheel is the same)
@@ -63,7 +63,7 @@ def param_dtype(optim: str) -> torch.dtype:
 
 def state_bytes_per_param(optim: str) -> float:
     """Bytes of optimizer state (both moments) per parameter, for tensors large enough to be quantised (see above):
-    the fit check's table (memory_plan.OPTIM_BYTES), the one place these numbers live."""
+    the fit check's table (memory_counts.OPTIM_BYTES), the one place these numbers live."""
     check_optim(optim)
     return float(OPTIM_BYTES[optim][2])
 
