@@ -123,7 +123,9 @@ def check_fp8_base_matches_peft(rank, world, ep_size, cases):
     from megablocks_utils import build_mesh, shard_moe
     from megablocks_utils.model.lora import LoraSettings, add_lora, load_peft_tensors, merge_adapters, parse_targets, peft_config, peft_tensors
     from megablocks_utils.model.quantized_base import dequantize_base
+    from megablocks_utils.moe.blocks import expert_parameters
     from megablocks_utils.parallel.parallelize import parallelize
+    from megablocks_utils.train.metrics import active_params
 
     for arch, grouped, checkpointing in cases:
         moe_layer.grouped_mm_supported = (lambda x: True) if grouped else (lambda x: False)
@@ -139,6 +141,11 @@ def check_fp8_base_matches_peft(rank, world, ep_size, cases):
         parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing=checkpointing, device="cpu")
         kinds = {type(m).__name__ for m in model.modules()}
         assert "QuantizedLinear" in kinds and "QuantizedWeight" in kinds and "Linear" in kinds  # lm_head stays
+        plain = copy.deepcopy(base)  # the same model unquantized: the MFU's active parameters count them alike
+        plain_mesh = build_mesh(ep_size, "cpu")
+        shard_moe(plain, plain_mesh, device="cpu")
+        add_lora(plain, plain_mesh, lora, torch.float32)
+        assert active_params(model, config, expert_parameters(model)) == active_params(plain, config, expert_parameters(plain)) > 0
         assert found.experts and found.linears
 
         reference = get_peft_model(base, peft_config(lora, found, "", inference_mode=False))

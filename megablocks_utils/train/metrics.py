@@ -14,12 +14,28 @@ import resource
 import torch
 
 
+def _quantized_weights(model) -> tuple[int, int]:
+    """(dense, expert) weights held quantized (LoRA's ``quantize_base``: buffers, not parameters), global counts: the
+    linear layers' are whole on every rank, each rank holds its own experts'."""
+    from megablocks_utils.moe.expert_weights import ExpertWeights
+    from megablocks_utils.moe.quantized import QuantizedLinear
+
+    dense = expert = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            dense += module.in_features * module.out_features
+        elif isinstance(module, ExpertWeights) and module.quantized:
+            expert += sum(math.prod(w.shape) * module.num_experts // w.shape[0] for w in (module.gate_up_proj, module.down_proj))
+    return dense, expert
+
+
 def active_params(model, config, expert_params) -> int:
-    """Parameters a token multiplies through (global count, not this rank's shard)."""
+    """Parameters a token multiplies through (global count, not this rank's shard), quantized frozen weights included."""
     experts = {id(p) for p in expert_params}
-    dense = sum(p.numel() for p in model.parameters() if id(p) not in experts)
+    quantized_dense, quantized_expert = _quantized_weights(model)
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in experts) + quantized_dense
     embed = model.get_input_embeddings().weight.numel()
-    expert_total = sum(p.numel() for p in expert_params)  # DTensor numel is the global numel
+    expert_total = sum(p.numel() for p in expert_params) + quantized_expert  # DTensor numel is the global numel
     num_experts = config.num_local_experts if hasattr(config, "num_local_experts") else config.num_experts
     return dense - embed + expert_total * config.num_experts_per_tok // num_experts
 
