@@ -15,13 +15,10 @@ from test_packing import per_token_losses
 from transformers import AutoModelForCausalLM
 
 from megablocks_utils.data.batches import GlobalBatches, collate, load_training_data
-from megablocks_utils.data.packing import pack_dataset
+from megablocks_utils.data.packing import pack_dataset, varlen_inputs
 from megablocks_utils.errors import AttentionChoiceError
 from megablocks_utils.model import attention
-from megablocks_utils.model.attention import (
-    choose_attention,
-    varlen_inputs,
-)
+from megablocks_utils.model.attention import choose_attention
 from megablocks_utils.train.loss import IGNORE_INDEX
 
 

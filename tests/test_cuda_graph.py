@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megablocks_utils.errors import InputError
-from megablocks_utils.model.attention import varlen_inputs
+from megablocks_utils.data.packing import varlen_inputs
 from megablocks_utils.train.cuda_graph import _Captured, _static_batch, graph_blocker, resolve_cuda_graphs, signature
 
 ONE_GPU = dict(device_type="cuda", world_size=1, moe_backend="native", attention="varlen", activation_checkpointing="none",

@@ -138,6 +138,14 @@ def test_moe_does_not_import_model():
     assert not ties, "moe/ imports model/ (move the piece it needs into moe/, or the piece that needs both up into model/): " + "; ".join(ties)
 
 
+@pytest.mark.parametrize("room,above", [("moe", "parallel"), ("data", "model")])
+def test_a_room_does_not_import_the_one_built_on_it(room, above):
+    """``parallel/`` spreads the MoE layers over GPUs (the layer reads the mesh it is given, nothing of ``parallel/``);
+    ``model/`` reads the data's rows (varlen's document boundaries are the packed rows': ``data/packing``)."""
+    ties = room_ties(room, above)
+    assert not ties, f"{room}/ imports {above}/: " + "; ".join(ties)
+
+
 def test_only_tools_import_tools():
     """``tools/`` holds command-line entry points only: a piece that another room needs lives in that room."""
     tools = f"{PACKAGE}.tools"

@@ -12,7 +12,7 @@ import torch
 
 from megablocks_utils.data.records import build_dataset, tokenize_records
 from megablocks_utils.errors import DataError
-from megablocks_utils.model.attention import varlen_inputs
+from megablocks_utils.data.packing import varlen_inputs
 from megablocks_utils.data.records import IGNORE_INDEX
 
 
@@ -123,7 +123,7 @@ def collate(samples: list[dict], pad_token_id: int, device, length: int | None =
     ``model_inputs``: the keyword arguments of the model's forward. Packed rows carry per-document
     ``position_ids`` and no attention mask, so transformers keeps documents apart (a block mask for flex, a dense
     mask for sdpa/eager); for ``attention="varlen"`` they also carry the documents' cumulative lengths
-    (``attention.varlen_inputs``), computed here, on the host, once per micro-batch, padded with empty documents to a
+    (``packing.varlen_inputs``), computed here, on the host, once per micro-batch, padded with empty documents to a
     multiple of ``document_multiple`` (CUDA graphs: one per document count, train/cuda_graph.py).
     ``real`` marks real tokens (for the router statistics and token counts). ``attention_sq``: the sum of squared
     attention spans (each document's length, packed; the padded length, unpacked), so that MFU counts the

@@ -64,3 +64,21 @@ def pack_dataset(dataset, max_length: int, seed: int):
 def fill(dataset, max_length: int) -> float:
     """Real tokens per token slot over all rows, each padded to max_length."""
     return sum(len(ids) for ids in dataset["input_ids"]) / (len(dataset) * max_length)
+
+
+def varlen_inputs(position_ids, multiple: int = 1) -> dict:
+    """The documents' cumulative lengths over all rows laid end to end (int32, on the host), and the row length.
+
+    A document starts wherever a row's position restarts at 0 (every row starts one): the collator's rows
+    always do, the padding after the last document included. ``multiple``: the boundaries padded with empty
+    documents (the total repeated) to a multiple of this many, so that their count changes in steps of it (a CUDA
+    graph is captured for each count: train/cuda_graph.py); the kernel computes nothing for an empty document.
+    """
+    import torch
+
+    rows, length = position_ids.shape
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
+    documents = len(starts)
+    padded = -(-documents // multiple) * multiple
+    cu = torch.cat([starts, torch.full((padded - documents + 1,), rows * length)]).to(torch.int32)
+    return {"cu_seq_lens_q": cu, "max_length_q": length}

@@ -25,7 +25,6 @@ from megablocks_utils.moe.experts import LocalExperts
 from megablocks_utils.moe.pull_exchange import pull_capacity, pull_exchange
 from megablocks_utils.moe.router import TopKRouter
 from megablocks_utils.moe.static_exchange import static_capacity, static_exchange
-from megablocks_utils.parallel.mesh import MoEMesh
 
 
 class ExpertParallelExperts(ExpertWeights):
@@ -50,7 +49,7 @@ class ExpertParallelExperts(ExpertWeights):
     def __init__(
         self,
         num_experts: int,
-        mesh: MoEMesh,
+        mesh,
         act_fn: str,
         *,
         transposed: bool = False,
@@ -66,7 +65,7 @@ class ExpertParallelExperts(ExpertWeights):
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={overlap_chunks}: give 1 (no overlap) or more chunks")
         self.num_experts = num_experts
-        self.mesh = mesh
+        self.mesh = mesh  # the run's parallel.mesh.MoEMesh: the layer reads its ep size, rank and group
         # Read here: the forward then calls no DeviceMesh method for it (torch 2.11's dynamo fails tracing them, which
         # compiling a whole decoder layer would do; the group comes from ``_ep_group``, outside compile).
         self.ep_size = mesh.ep_size

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from megablocks_utils.moe.layer import ExpertParallelExperts
-from megablocks_utils.parallel.mesh import MoEMesh
 
 INSTALL_HINT = (
     "it builds only from source, on CUDA: `pip install --no-build-isolation --no-deps -r requirements-megablocks.txt` "
@@ -65,7 +64,7 @@ def check_megablocks(device_type: str | None = None) -> None:
         )
 
 
-def _dropless_mlp(num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, mesh: MoEMesh, act_fn) -> nn.Module:
+def _dropless_mlp(num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, mesh, act_fn) -> nn.Module:
     """megablocks' ``ParallelDroplessMLP`` for one layer, without its own expert weights."""
     if intermediate_size * num_experts < 128:
         # ParallelDroplessMLP sizes a sort from log2(I * E / 128) even when it never uses it.
@@ -112,7 +111,7 @@ class MegablocksExperts(ExpertParallelExperts):
     def __init__(
         self,
         num_experts: int,
-        mesh: MoEMesh,
+        mesh,
         act_fn: str,
         *,
         top_k: int,

@@ -41,7 +41,7 @@ from torch import nn
 
 from megablocks_utils.model.architectures import decoder_layers
 from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
-from megablocks_utils.train.cuda_graph import CAPTURABLE_ATTENTION, zero_grads
+from megablocks_utils.train.cuda_graph import zero_grads
 
 # Whether a layer's graph reaches to its MoE block's exchange where it can (``routes_in_graph``). Off: on 4 x H200 (ep 4,
 # Qwen3-30B-A3B's shape, 12 layers, synthetic rows; 2026-11-28) training took 0.611 s a step with it against 0.614 without

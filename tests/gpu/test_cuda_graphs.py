@@ -149,7 +149,8 @@ def test_replayed_micro_steps_equal_eager_ones_to_the_bit():
 def test_empty_documents_change_nothing_in_varlen():
     """Boundaries padded with empty documents (what a graph per document count needs) give the same outputs and
     gradients as the plain boundaries, to the bit."""
-    from megablocks_utils.model.attention import register_varlen, varlen_attention, varlen_inputs
+    from megablocks_utils.data.packing import varlen_inputs
+    from megablocks_utils.model.attention import register_varlen, varlen_attention
 
     register_varlen()
     torch.manual_seed(0)
