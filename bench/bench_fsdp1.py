@@ -1,7 +1,7 @@
 """Configuration (d) of the side-by-side benchmark: ours through HF Trainer + accelerate FSDP1 + EP.
 
     python bench/bench_fsdp1.py write --dir /tmp/mixtral-L8 --layers 8       # checkpoint + tokenizer (23 GB at L = 8)
-    python bench/bench_fsdp1.py run --dir /tmp/mixtral-L8 --gpus 4 --out bench/results/h200x4_L8.jsonl
+    python bench/bench_fsdp1.py run --dir /tmp/mixtral-L8 --gpus 4 --out bench/results/parity_throughput_megablocks_h100-h200_2026-11-20-21/records.md#h200x4_l8jsonl
     python bench/bench_fsdp1.py view --dir /tmp/mixtral-L4 --source /tmp/mixtral-L8 --layers 4  # first 4 layers, linked
 
 The "Trainer path" is train_fsdp1.py itself, launched as a user launches it (`accelerate launch

@@ -1,6 +1,6 @@
 """Chart and table of bench_moe.py and bench_fsdp1.py results: tokens/s per GPU and peak memory per configuration.
 
-    python bench/plot_results.py bench/results/h200x2_L4.jsonl    (writes the .png beside it)
+    python bench/plot_results.py bench/results/parity_throughput_megablocks_h100-h200_2026-11-20-21/records.md#h200x2_l4jsonl    (writes the .png beside it)
 The table needs nothing; the chart needs matplotlib (in requirements.txt; the training scripts never import it).
 """
 

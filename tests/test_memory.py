@@ -594,7 +594,7 @@ def test_checkpoint_experts_keeps_less_than_none_and_more_than_full():
 ], ids=["full", "experts-fp32-adapters", "experts-bf16-adapters"])
 def test_lora_estimates_cover_the_measured_peaks(settings, allocated, reserved):
     """Qwen3-30B-A3B's 48 layers, LoRA, one H200, seq 4096, 1 x 4 (bench/lora_peft.py at the script's defaults;
-    bench/results/lora_48L_checkpoint_experts_h200_2026-11-24.jsonl): the estimate is not below what PyTorch allocated
+    bench/results/small_experts_and_lora_h200_2026-11-24_to_25/records.md#lora_48l_checkpoint_experts_h200_2026-11-24jsonl): the estimate is not below what PyTorch allocated
     and within 10% of the reserved peak, the GPU check's bar (tests/gpu/test_memory_estimate.py)."""
     estimate = _qwen3_lora_one_gpu(**settings).total / GiB
     assert allocated <= estimate <= 1.1 * reserved, (estimate, allocated, reserved)

@@ -13,7 +13,7 @@ from conftest import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import profile_steps  # noqa: E402
 
-RECORDS = os.path.join(ROOT, "bench", "results", "session24", "b_profile_ep4_h200x4")
+RECORDS = os.path.join(ROOT, "bench", "results", "ep4_profile_full_size_h200x4_2026-11-28e", "b_profile_ep4_h200x4")
 FILES = [os.path.join(RECORDS, f"prof_{name}.jsonl") for name in ("ep1", "ep4_own", "ep4_balanced")]
 
 

@@ -241,7 +241,7 @@ class LocalExperts:
             w_gate_up, w_down = w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1)
         if len(counts) == 1:
             # One local expert (ep = number of experts): plain GEMMs, 8% faster than grouped_mm with one group
-            # (13.26 vs 12.29 ms forward + backward at Mixtral width, bench/results/kernel_h200.jsonl).
+            # (13.26 vs 12.29 ms forward + backward at Mixtral width, bench/results/parity_throughput_megablocks_h100-h200_2026-11-20-21/records.md#kernel_h200jsonl).
             gemm = lambda a, w: a @ w[0]  # noqa: E731
             add_bias = lambda rows, bias: rows + bias[0]  # noqa: E731
         else:

@@ -14,7 +14,7 @@ OPTIM=$G/test_optimizers.py OPTIM_A= OPTIM_B=
 if [ "$found" -ge 4 ]; then ALL=0,1,2,3 PAIR=2,3 FIRST_PAIR=0,1 ONE=0 OTHER=1 OPTIM_B=$OPTIM
 elif [ "$found" -eq 2 ]; then ALL=0,1 PAIR=0,1 FIRST_PAIR=0,1 ONE=0 OTHER=1 OPTIM_A=$OPTIM
 # One GPU: every lane on it (the 2- and 4-GPU tests skip): 60 passed in 153 s on one H200 (28th session,
-# bench/results/session28/README.md), where two pytest processes took 320 s
+# bench/results/varlen_slots_h200_2026-11-29/README.md), where two pytest processes took 320 s
 elif [ "$found" -eq 1 ]; then ALL=0 PAIR=0 FIRST_PAIR=0 ONE=0 OTHER=0 OPTIM_A=$OPTIM
 else echo "lanes.sh found no GPU"; exit 2; fi
 lane() {
