@@ -26,7 +26,7 @@ import triton.language as tl
 # H200, both projections (bench/weight_grad_bench.py --configs; reading the gradient's tile before the sum was slower;
 # a persistent kernel, one flat loop over a program's tiles so that a tile's first loads run under the last one's
 # epilogue, was 1.4-1.6x slower in 8 tilings: Triton 3.6 did not pipeline its loads across the tiles,
-# bench/results/small_experts_and_lora_h200_2026-11-24_to_25/records.md#weight_grad_persistent_session9_h200_2026-11-25jsonl).
+# bench/results/small_experts_and_lora_h200_2026-11-24_to_25/records.md#weight_grad_persistent_h200_2026-11-25jsonl).
 _CONFIG = (128, 256, 64, 8, 3)
 
 

@@ -96,7 +96,7 @@ class AdamWBF16(torch.optim.Optimizer):
         launch's table, already on its way to the GPU), changing nothing that an update reads: train_fsdp2.py runs it
         before the host waits for the GPU at the step's check, so the GPU does not sit idle while the host builds the
         launch (5.7 ms of a DeepSeek-V2-Lite step on one H200, before CUDA graphs:
-        bench/results/small_experts_and_lora_h200_2026-11-24_to_25/records.md#phases_session7_new_dsv2_h200_2026-11-24jsonl). Apply it with ``step(prepared=...)``, once, or
+        bench/results/small_experts_and_lora_h200_2026-11-24_to_25/records.md#phases_new_dsv2_h200_2026-11-24jsonl). Apply it with ``step(prepared=...)``, once, or
         drop it (a skipped step): only the seeds' draw from torch's CPU generator has happened then."""
         with_grads = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         for _, p in with_grads:

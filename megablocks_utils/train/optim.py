@@ -31,7 +31,7 @@ the first step takes seconds to a minute longer; later steps do not. Its ``lr`` 
 param group (LR schedulers fill it in place; ``get_last_lr()`` returns tensors). That compile runs with one kernel config
 per kernel, chosen by rule (``_compiled_alike``): by default each process times candidate configs and keeps the fastest,
 and ranks that pick differently update the same weights an fp32 ulp apart (tests/gpu/test_optimizers.py: the experts'
-replicas at ep 1 x dp 2 apart after step 1 in 5 of 9 sessions; a probe on 4 x H200 (bench/reports/probes_retired_2026-12-02.md), 4 fresh
+replicas at ep 1 x dp 2 apart after step 1 in 5 of 9 runs; a probe on 4 x H200 (bench/reports/probes_retired_2026-12-02.md), 4 fresh
 processes on the same inputs: 4 different results by default, 1 with one config per kernel).
 """
 

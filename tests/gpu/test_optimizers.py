@@ -174,7 +174,7 @@ def test_optim_trains_in_its_dtype_and_round_trips(found, optim):
     for name, r in runs.items():
         assert r["last_loss"] < r["first_loss"], (name, r)
         assert r["param_dtypes"] == [str(param_dtype(optim))], (name, r)
-        # Replicas equal first: otherwise the round trip below fails for that reason (adamw_torch_8bit, 4 of 7 sessions).
+        # Replicas equal first: otherwise the round trip below fails for that reason (adamw_torch_8bit, 4 of 7 runs).
         assert not r["replica_differences"], f"{name}: the experts' replicas drifted apart in training: {r['replica_differences']}"
         assert r["dcp_round_trip_equal"], f"{name}: the optimizer state after a DCP save and load is not the saved one: {r['dcp_mismatches']}"
         # The fit check's bytes per parameter (both moments); 1% for the fp32 scale of a shard's last, partial 8-bit block.
