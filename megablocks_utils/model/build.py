@@ -177,8 +177,8 @@ def shard_moe(
     ``force_loop``, ``compile_elementwise``, ``overlap_chunks``: the experts' settings (``ExpertParallelExperts``;
     megablocks' forward has no ``overlap_chunks``). ``checkpoint``: the weights' reader in place of
     ``Checkpoint(model_dir)`` (benches: random weights of a model's shape, read as from disk). ``quantize_base`` "fp8":
-    the experts held in FP8, each layer's
-    quantized as it is read, and the decoder layers' linear layers after them (``model/quantized_base.py``; LoRA).
+    the experts held in FP8, each layer's quantized as it is read, then the decoder layers' linear layers; weights
+    released quantized kept as they are (``model/quantized_base.py``; LoRA).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = model.config

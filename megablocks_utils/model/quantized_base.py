@@ -122,11 +122,6 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
             module.dequantize_weights(dtype)
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """This rank's bytes of quantized weights and their scales."""
-    return sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
-
-
 def describe_base(model: nn.Module) -> str:
     """One line for the run's start: which frozen weights are held in which format, and their bytes on this rank."""
     formats: dict[str, int] = {}

@@ -26,11 +26,6 @@ MXFP4_GROUP = 32  # inputs sharing one scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 by code
 
 
-def fp8_supported(device: torch.device) -> bool:
-    """float8 e4m3 storage and its casts: CPU, or CUDA from sm89 (Ada, Hopper)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)
 
