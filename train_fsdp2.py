@@ -161,7 +161,7 @@ try:
         lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
         fsdp=int(os.environ.get("WORLD_SIZE", 1)) > 1 and fsdp_wrap != "none" and not (factor_auto and ep_capacity_factor > 0),
         static_exchange=ep_capacity_factor > 0,  # (auto's factor comes with fsdp_wrap auto resolved to none)
-        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1))))
+        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1)), dropout=bool(lora) and lora_dropout > 0))
     # cuda_graphs segments that cannot run is refused here too; the attention is the one auto would pick for packed rows
     segments_planned = resolve_segment_graphs(cuda_graphs, segment_blocker(
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)),
@@ -215,7 +215,7 @@ from megablocks_utils.parallel.parallelize import (  # noqa: E402
     parallelize,
     set_gradient_sync,
 )
-from megablocks_utils.parallel.activation_checkpointing import recompute_swiglu_text  # noqa: E402
+from megablocks_utils.parallel.activation_checkpointing import recompute_swiglu_text, trains_with_dropout  # noqa: E402
 from megablocks_utils.parallel.embedding_rows import TouchedRows  # noqa: E402
 from megablocks_utils.parallel.replicated_grads import ReplicatedGradSync  # noqa: E402
 from megablocks_utils.train.checkpoint import (  # noqa: E402
@@ -377,7 +377,8 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
         device_type=device.type, world_size=world_size, moe_backend=moe_backend, attention=attention,
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
         lora=bool(lora), dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules()),
-        ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None) or graphs_memory_blocker(plan, gpu_bytes))
+        ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None, dropout=trains_with_dropout(model))
+        or graphs_memory_blocker(plan, gpu_bytes))
 except InputError as e:
     fail(e)
 if factor_auto and exchange_mode(model) is not None and not use_graphs:  # auto's static exchange goes with graphs only

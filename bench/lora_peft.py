@@ -165,12 +165,17 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(BENCH, "results", "lora_peft.jsonl"))
     p.add_argument("--gpu_memory_gib", type=float, default=0.0,
                    help="cap the caching allocator at this many GiB (a smaller GPU on a larger one); 0: the whole GPU")
+    p.add_argument("--cuda_graphs", action="store_true",
+                   help="ours: each micro-step replayed from a CUDA graph after the warm-up (train_fsdp2.py's cuda_graphs; "
+                        "its StepLoss, whose router statistics the plain loop leaves out)")
     p.add_argument("--tally_saved", action="store_true",
                    help="instead of training: what one micro-batch's forward saves for the backward, by shape (no weights)")
     args = p.parse_args()
     if args.variant == "peft" and (args.release or args.ac == "selective" or args.ac_layers != -1 or args.checkpoint_experts or args.loss == "chunked"
                                    or args.adapter_dtype != "fp32" or args.quantize_base != "none"):
         p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked, --adapter_dtype bf16, --quantize_base and --release are ours only")
+    if args.cuda_graphs and (args.variant == "peft" or args.adapter_dtype != "bf16" or args.warmup <= 2):
+        p.error("--cuda_graphs: ours with --adapter_dtype bf16, and --warmup 3 or more (2 eager steps, then the captures)")
     args.compile_dense = args.variant == "ours" if args.compile_dense == "default" else args.compile_dense == "true"
     chunked = args.variant == "ours" and args.loss != "full"
 
@@ -219,7 +224,7 @@ def main() -> None:
               "layers": args.layers, "seq": args.seq, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "r": args.r,
               "ac": args.ac, "ac_layers": args.ac_layers, "checkpoint_experts": args.checkpoint_experts, "compile_dense": args.compile_dense, "chunked_loss": chunked,
               "adapter_dtype": args.adapter_dtype, "quantize_base": args.quantize_base, "gpu_memory_gib": args.gpu_memory_gib or None, "attention": attention, "data": args.data, "lr": args.lr,
-              "date": date.today().isoformat(), "torch": torch.__version__}
+              "cuda_graphs": args.cuda_graphs, "date": date.today().isoformat(), "torch": torch.__version__}
     try:
         if args.data == "random":
             generator = torch.Generator().manual_seed(1)
@@ -292,15 +297,31 @@ def main() -> None:
             batch = collate(steps[0][0], pad_id, device, args.seq, attention)
             record.update(status="ok", saved=tally_saved(model, batch, args.micro_batch * args.seq))
             steps = []
+        graphs = None
+        if args.cuda_graphs:
+            from megablocks_utils.train.cuda_graph import MicroStepGraphs, document_multiple, graph_blocker
+            from megablocks_utils.train.step import StepLoss
+
+            blocker = graph_blocker(device_type=device.type, world_size=1, moe_backend="native", attention=attention,
+                                    activation_checkpointing=args.ac, checkpoint_experts=args.checkpoint_experts, lora=True, dtype=dtype)
+            if blocker:
+                raise SystemExit(f"error: --cuda_graphs: {blocker}")
+            graphs = MicroStepGraphs(model, device, announce=print)
         times, losses, norms = [], [], []
         for step, micro_batches in enumerate(steps):
-            batches = [collate(rows, pad_id, device, args.seq, attention) for rows in micro_batches]
+            batches = [collate(rows, pad_id, device, args.seq, attention, document_multiple=document_multiple(1) if graphs else 1)
+                       for rows in micro_batches]
             labels = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             total = 0.0
-            for batch in batches:
+            if graphs is not None:  # train_fsdp2.py's micro-steps: eager for 2 steps, then captured and replayed
+                step_loss = StepLoss(step + 1, labels, len(batches), aux_coef=0.0, group=dist.group.WORLD, device=device)
+                for i, batch in enumerate(batches):
+                    graphs.micro_step(step_loss, batch, steps_done=step, first=i == 0)
+                total = step_loss.sums.all_reduce().ce_sum / labels
+            for batch in batches if graphs is None else []:
                 loss_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
                 loss = loss_sum / labels
                 loss.backward()
@@ -308,7 +329,10 @@ def main() -> None:
                 del out, loss_sum, loss
             norm = clip_grad_norm_(trained, 1.0)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if graphs is not None:
+                graphs.zero_grads()
+            else:
+                optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -324,6 +348,8 @@ def main() -> None:
         if cuda:
             record.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                           peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+        if graphs is not None:
+            graphs.release()
     except torch.OutOfMemoryError as e:
         record.update(status="OOM", error=str(e).splitlines()[0][:200])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

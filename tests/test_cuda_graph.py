@@ -19,14 +19,16 @@ def test_graphs_are_allowed_on_one_gpu_with_a_capturable_step_only():
         "world_size": (2, "2 ranks"),
         "moe_backend": ("megablocks", "megablocks"),
         "attention": ("flex_attention", "flex_attention"),
-        "activation_checkpointing": ("full", "checkpointing"),
-        "checkpoint_experts": (True, "checkpointing"),
-        "lora": (True, "LoRA"),
         "dtype": (torch.float32, "per-expert loop"),
         "fsdp": (True, "--optim adamw_bf16"),
     }
     for name, (value, words) in blocked.items():
         assert words in graph_blocker(**{**ONE_GPU, name: value}), name
+    # Recompute and LoRA: allowed on one GPU (tests/gpu/test_graphs_lora.py), recompute without dropout only
+    for recompute in ({"activation_checkpointing": "full"}, {"activation_checkpointing": "selective"}, {"checkpoint_experts": True}):
+        assert graph_blocker(**{**ONE_GPU, **recompute, "lora": True}) is None, recompute
+        assert "dropout under activation checkpointing" in graph_blocker(**{**ONE_GPU, **recompute, "dropout": True})
+    assert graph_blocker(**{**ONE_GPU, "lora": True, "dropout": True}) is None  # no recompute: the graph draws it
 
 
 def test_graphs_on_several_gpus_need_ep_world_size_the_static_exchange_and_no_fsdp():
@@ -35,7 +37,29 @@ def test_graphs_on_several_gpus_need_ep_world_size_the_static_exchange_and_no_fs
     assert "ep = world size" in graph_blocker(**{**ep2, "ep_size": 1})
     assert "--ep_capacity_factor" in graph_blocker(**{**ep2, "static_exchange": False})
     assert "--fsdp_wrap none" in graph_blocker(**{**ep2, "fsdp": True})
-    assert "checkpointing" in graph_blocker(**{**ep2, "activation_checkpointing": "full"})  # the one-GPU rules still hold
+    # Recompute and LoRA under graphs have run on one GPU only: refused above it, saying so
+    assert "has run on 1 GPU so far, not yet on 2" in graph_blocker(**{**ep2, "activation_checkpointing": "full"})
+    assert "LoRA under graphs has run on 1 GPU" in graph_blocker(**{**ep2, "lora": True})
+    assert "moe_backend" in graph_blocker(**{**ep2, "moe_backend": "megablocks"})  # the one-GPU rules still hold
+
+
+def test_dropout_is_found_in_modules_and_in_the_config(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.parallel.activation_checkpointing import trains_with_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not trains_with_dropout(model)
+    model.config.attention_dropout = 0.1
+    assert trains_with_dropout(model)
+    model.config.attention_dropout = 0.0
+    model.config.router_jitter_noise = 0.01
+    assert trains_with_dropout(model)
+    model.config.router_jitter_noise = 0.0
+    model.model.layers[0].extra = torch.nn.Dropout(0.0)  # p = 0 draws nothing
+    assert not trains_with_dropout(model)
+    model.model.layers[0].extra = torch.nn.Dropout(0.05)
+    assert trains_with_dropout(model)
 
 
 def test_the_setting_says_what_it_does_and_refuses_an_impossible_true():

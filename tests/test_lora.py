@@ -131,6 +131,67 @@ def test_lora_loss_and_adapter_grads_match_transformers_and_peft(dp, ep, checkpo
     run_ranks(check_matches_peft, dp * ep, ep, checkpointing, cases)
 
 
+def check_recompute_replays_dropout(rank, world, force_rng):
+    """LoRA with dropout: each recompute (full, selective, the experts alone) gives the adapters the gradients of no
+    recompute, from one seed: the recompute replays the forward's dropout masks. ``force_rng`` False: that replay
+    switched off by hand (the masks then differ), to show the comparison can fail."""
+    from test_equivalence import make_batch, rank_loss
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils import build_mesh, shard_moe
+    from megablocks_utils.model.lora import LoraSettings, add_lora, load_peft_tensors, parse_targets, peft_tensors
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+    from megablocks_utils.parallel.parallelize import parallelize
+
+    config = tiny_moe_config("qwen3_moe")
+    lora = LoraSettings(r=R, alpha=ALPHA, dropout=0.3, targets=parse_targets(DEFAULT_TARGETS))
+    grads, adapters = {}, None
+    for mode in ("none", "full", "selective", "experts"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float().train()
+        mesh = build_mesh(1, "cpu")
+        shard_moe(model, mesh, device="cpu")
+        add_lora(model, mesh, lora, torch.float32)
+        parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing="none" if mode == "experts" else mode,
+                    checkpoint_experts=mode == "experts", device="cpu")
+        experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        assert experts and all(m.recompute_rng for m in experts)
+        if not force_rng:
+            for m in experts:
+                m.recompute_rng = False
+        if adapters is None:  # random B too, so that every adapter's gradient depends on the masks
+            g = torch.Generator().manual_seed(1)
+            adapters = {k: 0.2 * torch.randn(v.shape, generator=g) for k, v in peft_tensors(model).items()}
+        load_peft_tensors(model, adapters)
+        input_ids, mask, labels = make_batch(config.vocab_size)
+        torch.manual_seed(5)
+        rank_loss(model, mesh, config, input_ids, mask, labels, rank, world)[3].backward()
+        grads[mode] = peft_tensors(model, grads=True)
+    for mode in ("full", "selective", "experts"):
+        worst = max(rel_err(grads[mode][k], grads["none"][k]) for k in grads["none"])
+        if force_rng or mode != "experts":
+            assert worst <= 1e-6, (mode, worst)
+        else:
+            assert worst > 1e-3, (mode, worst)  # the experts' recompute without the replay draws other masks
+    model = AutoModelForCausalLM.from_config(config).float().train()  # no dropout: no RNG state read
+    shard_moe(model, mesh, device="cpu")
+    add_lora(model, mesh, LoraSettings(r=R, alpha=ALPHA, dropout=0.0, targets=lora.targets), torch.float32)
+    parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing="full", checkpoint_experts=True, device="cpu")
+    assert not any(m.recompute_rng for m in model.modules() if isinstance(m, ExpertParallelExperts))
+
+
+def test_recompute_replays_lora_dropout_and_skips_the_rng_without_it(tiny_model_dir):
+    """With dropout every recompute replays the forward's RNG state; without any, none is read (a CUDA graph capture
+    cannot read it: train/cuda_graph.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils.parallel.activation_checkpointing import trains_with_dropout
+
+    run_ranks(check_recompute_replays_dropout, 1, True)
+    run_ranks(check_recompute_replays_dropout, 1, False)
+    assert not trains_with_dropout(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+
+
 def test_expert_adapter_dropout_acts_in_training_only():
     """dropout(x) feeds only the adapter: in eval the output is dropout-free; in training it differs, and the base
     projection is untouched (zero adapters give the base output whatever the dropout)."""

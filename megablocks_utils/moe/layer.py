@@ -73,6 +73,7 @@ class ExpertParallelExperts(ExpertWeights):
         self.local = LocalExperts(act_fn, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit, force_loop=force_loop)
         self.overlap_chunks = overlap_chunks
         self.recompute = False  # keep only the inputs; rerun the forward in the backward (checkpoint_experts)
+        self.recompute_rng = True  # the recompute replays the RNG state (off without dropout: trains_with_dropout)
         self.recompute_swiglu = False  # SwiGLU's output made again in the backward, not kept (recompute_swiglu: experts.silu_mul_down)
         self.exchange_mode = None  # the model's ExchangeMode where ep_capacity_factor > 0 (exchange_mode.py)
 
@@ -118,7 +119,7 @@ class ExpertParallelExperts(ExpertWeights):
         """x [T, H], top_i/top_w [T, k] -> [T, H] (the same contract as transformers' experts); with ``recompute``,
         under torch.utils.checkpoint."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self.route_and_compute, x, top_i, top_w, use_reentrant=False)
+            return checkpoint(self.route_and_compute, x, top_i, top_w, use_reentrant=False, preserve_rng_state=self.recompute_rng)
         return self.route_and_compute(x, top_i, top_w)
 
     def route_and_compute(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:

@@ -178,10 +178,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
     )
 
     chosen = set() if mode == "none" or layers == 0 else set(checkpointed_layers(len(decoder), layers))
+    random = trains_with_dropout(model)  # without it no RNG state to replay: none read (a CUDA graph capture cannot)
     for index, layer in enumerate(decoder):
         for module in layer.modules():
             if isinstance(module, ExpertParallelExperts):
                 module.recompute = experts and index not in chosen
+                module.recompute_rng = random
                 module.recompute_swiglu = swiglu and module.ep_size <= RECOMPUTE_SWIGLU_RAN_AT_EP
     if not chosen:
         if model.is_activation_checkpointing:
@@ -189,9 +191,22 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
         return
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     context_fn = functools.partial(_contexts, blocks, mode == "selective")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn,
+                                                                          "preserve_rng_state": random})
     for index, layer in enumerate(decoder):
         layer.gradient_checkpointing = index in chosen
+
+
+def trains_with_dropout(model: nn.Module) -> bool:
+    """Whether the training forward draws random numbers: a dropout module with p > 0 (LoRA's, PEFT-style), or a
+    config's dropout or router jitter above 0 (transformers applies attention dropout as a function). Only then must a
+    recompute replay the forward's RNG state (``preserve_rng_state``); a CUDA graph capture cannot read that state."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
+    return any(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+               for c in configs for key, value in vars(c).items() if key.endswith(("dropout", "jitter_noise")))
 
 
 class OpCounter(TorchDispatchMode):

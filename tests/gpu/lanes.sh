@@ -29,7 +29,7 @@ lane a $ALL $G/test_four_gpus.py $G/test_train_parity.py $G/test_step_no_sync.py
 lane b $PAIR $G/test_activation_checkpointing.py $OPTIM_B $G/test_fsdp1_vs_fsdp2.py & b=$!
 lane c $ONE $G/test_memory_estimate.py $G/test_packed_rows.py $G/test_grad_norm.py $G/test_gather_kernels.py $G/test_megablocks.py $G/test_quantized_base.py & c=$!
 lane d $OTHER $G/test_cuda_graphs.py $G/test_moe_layer.py $G/test_chunked_loss.py $G/test_gpt_oss_layer.py $G/test_adamw_bf16_kernel.py & d=$!
-lane e $FIRST_PAIR $G/test_graphs_ep.py $G/test_pull_exchange.py & e=$!
+lane e $FIRST_PAIR $G/test_graphs_ep.py $G/test_pull_exchange.py $G/test_graphs_lora.py & e=$!
 status=0
 for pid in $a $b $c $d $e; do wait $pid || status=1; done
 grep -h "^FAILED\|^ERROR" "$OUT_DIR"/*.log
