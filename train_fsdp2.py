@@ -118,7 +118,7 @@ from megablocks_utils.train.optim import param_dtype  # noqa: E402
 from megablocks_utils.train.segment_graphs import SegmentGraphs  # noqa: E402
 from megablocks_utils.train.segment_plan import resolve_segment_graphs, segment_blocker  # noqa: E402
 from megablocks_utils.train.memory_activations import check_checkpointed_layers  # noqa: E402
-from megablocks_utils.train.memory_fit import check_fit, graphs_memory_blocker  # noqa: E402
+from megablocks_utils.train.memory_fit import check_fit, plan_graphs  # noqa: E402
 from megablocks_utils.train.memory_plan import estimate_memory  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
@@ -155,13 +155,14 @@ try:
         dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16, optim=optim,
         cuda_graphs=cuda_graphs, fsdp_wrap=fsdp_wrap)
     # cuda_graphs true that cannot run is refused here already (the attention kernel and FSDP are checked after loading)
-    resolve_cuda_graphs(cuda_graphs, graph_blocker(
+    graphs_blocker = graph_blocker(
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)), moe_backend=moe_backend,
         attention=None, activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
         lora=bool(lora), dtype=torch.float32 if dtype == "fp32" or not torch.cuda.is_available() else torch.bfloat16,
         fsdp=int(os.environ.get("WORLD_SIZE", 1)) > 1 and fsdp_wrap != "none" and not (factor_auto and ep_capacity_factor > 0),
         static_exchange=ep_capacity_factor > 0,  # (auto's factor comes with fsdp_wrap auto resolved to none)
-        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1)), dropout=bool(lora) and lora_dropout > 0))
+        ep_size=ep_size or int(os.environ.get("WORLD_SIZE", 1)), dropout=bool(lora) and lora_dropout > 0)
+    resolve_cuda_graphs(cuda_graphs, graphs_blocker)
     # cuda_graphs segments that cannot run is refused here too; the attention is the one auto would pick for packed rows
     segments_planned = resolve_segment_graphs(cuda_graphs, segment_blocker(
         device_type="cuda" if torch.cuda.is_available() else "cpu", world_size=int(os.environ.get("WORLD_SIZE", 1)),
@@ -306,7 +307,11 @@ fsdp_wrap, ep_capacity_factor, wrap_note = resolve_wrap_and_factor(
     fsdp_wrap, plan_for, gpu_bytes, world_size, ep, factor=ep_capacity_factor, factor_auto=factor_auto,
     segments_planned=segments_planned)
 factor_note = wrap_note or factor_note
-plan = plan_for(fsdp_wrap=fsdp_wrap, ep_capacity_factor=ep_capacity_factor)
+try:  # with whole micro-steps as CUDA graphs where they would run: their pool counted, or auto leaves them off
+    plan, graphs_memory = plan_graphs(functools.partial(plan_for, fsdp_wrap=fsdp_wrap, ep_capacity_factor=ep_capacity_factor),
+                                      cuda_graphs, graphs_blocker, gpu_bytes)
+except InputError as e:
+    fail(e)
 check_fit(plan, gpu_bytes, hint=True)  # rank 0 prints the estimate; where it exceeds the GPU every rank stops here
 # The data first, so a problem with it shows before a large model is read. Each block ends with the
 # ranks comparing notes: an error on any rank (a rank reads only its own experts) stops them all.
@@ -378,7 +383,7 @@ try:  # whether each micro-step can be one CUDA graph (megablocks_utils/train/cu
         activation_checkpointing=activation_checkpointing, checkpoint_experts=checkpoint_experts,
         lora=bool(lora), dtype=compute_dtype, fsdp=any(isinstance(m, FSDPModule) for m in model.modules()),
         ep_size=mesh.ep_size, static_exchange=exchange_mode(model) is not None, dropout=trains_with_dropout(model))
-        or graphs_memory_blocker(plan, gpu_bytes))
+        or graphs_memory)
 except InputError as e:
     fail(e)
 if factor_auto and exchange_mode(model) is not None and not use_graphs:  # auto's static exchange goes with graphs only

@@ -666,14 +666,31 @@ def test_cuda_graphs_are_planned_with_their_pool(tokens, fits):
     """One H200, 2026-12-02, Qwen3-30B-A3B's shape with 6 layers at the defaults but adamw_bf16: rows of 32,768 tokens
     trained with whole micro-steps as graphs; at 65,536 the capture ran out of memory (61.8 GiB in the graph's pool beside
     the eager steps' blocks). The plan keeps graphs for the first and says why not for the second."""
+    from megablocks_utils.errors import InputError
     from megablocks_utils.model.loading import load_config
-    from megablocks_utils.train.memory_fit import graphs_memory_blocker
+    from megablocks_utils.train.memory_fit import plan_graphs
 
     config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-30b-a3b"))
     config.num_hidden_layers = 6
-    plan = estimate_memory(config, world_size=1, ep_size=1, optim="adamw_bf16", max_length=tokens, per_device_train_batch_size=1,
-                           gradient_accumulation_steps=2, fsdp_wrap="layer", ep_capacity_factor=0)
+
+    def plan_for(**changes):
+        return estimate_memory(config, **{**dict(world_size=1, ep_size=1, optim="adamw_bf16", max_length=tokens,
+                                                 per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                                 fsdp_wrap="layer", ep_capacity_factor=0), **changes})
+
     h200 = 139.8 * 2**30
-    blocker = graphs_memory_blocker(plan, h200)
+    eager, with_graphs = plan_for(), plan_for(cuda_graphs=True)
+    assert eager.graph_pool == 0 and with_graphs.graph_pool == eager.activations + eager.logits  # counted twice under graphs
+    assert with_graphs.total > eager.total + with_graphs.graph_pool
+    assert "CUDA graphs' pool" in with_graphs.describe() and "CUDA graphs' pool" not in eager.describe()
+    plan, blocker = plan_graphs(plan_for, "auto", None, h200)
     assert (blocker is None) == fits, blocker
+    assert plan.graph_pool == (with_graphs.graph_pool if fits else 0)  # auto plans what it will run
     assert fits or "the graph's memory pool would hold a micro-step's activations and logits" in blocker
+    if not fits:
+        with pytest.raises(InputError, match="cuda_graphs true: the graph's memory pool"):
+            plan_graphs(plan_for, "true", None, h200)
+    assert plan_graphs(plan_for, "false", None, h200) == (eager, None)
+    assert plan_graphs(plan_for, "auto", "attention 'flex_attention' ...", h200) == (eager, None)  # graphs off anyway
+    # adamw_torch on one GPU: FSDP casts the weights, graphs stay off, no pool to plan
+    assert plan_for(optim="adamw_torch", cuda_graphs=True).graph_pool == 0

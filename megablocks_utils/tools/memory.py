@@ -19,7 +19,8 @@ from megablocks_utils.model.loading import load_config
 from megablocks_utils.train.auto_exchange import AUTO, plan_as_the_script
 from megablocks_utils.train.memory_activations import checkpointing_mode
 from megablocks_utils.train.memory_counts import OPTIM_BYTES, GiB
-from megablocks_utils.train.memory_fit import checkpointing_hint, fit_error
+from megablocks_utils.train.cuda_graph import graph_blocker
+from megablocks_utils.train.memory_fit import checkpointing_hint, fit_error, plan_graphs
 from megablocks_utils.train.memory_plan import DEFAULTS, FSDP_WRAP_SETTINGS, estimate_memory
 
 
@@ -108,11 +109,18 @@ def main(argv: list[str] | None = None) -> int:
             local_world_size=args.nproc_per_node, optim=args.optim, lora=args.finetuning == "lora",
             activation_checkpointing=checkpointing_mode(args.activation_checkpointing), checkpoint_experts=checkpoint_experts,
             expert_bias=spec_for(load_config(args.model_name_or_path)).expert_bias, cuda_graphs=args.cuda_graphs)
-        estimate = plan_for(fsdp_wrap=wrap, ep_capacity_factor=factor)
+        blocker = graph_blocker(device_type="cuda", world_size=args.nproc, moe_backend="native", attention=None,
+                                activation_checkpointing=checkpointing_mode(args.activation_checkpointing),
+                                checkpoint_experts=checkpoint_experts, lora=args.finetuning == "lora",
+                                fsdp=args.nproc > 1 and wrap != "none", ep_size=ep, static_exchange=factor > 0,
+                                dropout=args.finetuning == "lora" and args.lora_dropout > 0)
+        estimate, graphs_note = plan_graphs(functools.partial(plan_for, fsdp_wrap=wrap, ep_capacity_factor=factor),
+                                            args.cuda_graphs, blocker, args.gpu_memory_gib * GiB)
     except InputError as e:
         parser.error(str(e))
-    if note:
-        print(note)
+    for line in (note, graphs_note and f"cuda_graphs auto: off ({graphs_note})"):
+        if line:
+            print(line)
     print(estimate.describe())
     error = fit_error(estimate, args.gpu_memory_gib * GiB)
     if error:

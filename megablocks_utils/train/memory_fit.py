@@ -210,19 +210,34 @@ def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], g
 
 
 def graphs_memory_blocker(estimate: MemoryEstimate, gpu_memory_bytes: float, use: float = 0.9) -> str | None:
-    """Why whole micro-steps as CUDA graphs would not fit, or None: a graph's private pool holds a micro-step's
-    activations and logits beside the blocks the eager warm-up steps left in the allocator, so the plan needs them twice.
-    Measured on one H200 (2026-12-02, Qwen3-30B-A3B's shape, 6 layers, adamw_bf16): rows of 32,768 tokens trained with
-    graphs (planned 75.5 + 36.6 GiB, within 90%); at 65,536 (112.0 + 71.3) the capture ran out of memory with 61.8 GiB
-    in the graph's pool. ``use``: the share of the GPU the plan may fill (the estimate's margin)."""
-    if gpu_memory_bytes <= 0:
+    """Why whole micro-steps as CUDA graphs would not fit, or None. ``estimate``: planned with ``cuda_graphs`` (its
+    ``graph_pool``: a graph's private pool holds a micro-step's activations and logits beside the blocks the eager warm-up
+    steps left in the allocator). Measured on one H200 (2026-12-02, Qwen3-30B-A3B's shape, 6 layers, adamw_bf16): rows of
+    32,768 tokens trained with graphs (planned 75.5 + 36.6 GiB, within 90%); at 65,536 (112.0 + 71.3) the capture ran
+    out of memory with 61.8 GiB in the graph's pool. ``use``: the share of the GPU the plan may fill (its margin)."""
+    if gpu_memory_bytes <= 0 or estimate.total <= use * gpu_memory_bytes:
         return None
-    pool = estimate.activations + estimate.logits
-    if estimate.total + pool <= use * gpu_memory_bytes:
-        return None
-    return (f"the graph's memory pool would hold a micro-step's activations and logits ({_gib(pool)}) beside the eager steps' "
-            f"({_gib(estimate.total)} planned): more than {use:.0%} of the GPU's {_gib(gpu_memory_bytes)}; fewer tokens per "
-            "micro-step (max_length x per_device_train_batch_size) or activation checkpointing leave room for them")
+    return (f"the graph's memory pool would hold a micro-step's activations and logits ({_gib(estimate.graph_pool)}) beside "
+            f"the eager steps' blocks: {_gib(estimate.total)} planned, more than {use:.0%} of the GPU's "
+            f"{_gib(gpu_memory_bytes)}; fewer tokens per micro-step (max_length x per_device_train_batch_size) or "
+            "activation checkpointing leave room for them")
+
+
+def plan_graphs(plan_for, cuda_graphs, blocker: str | None, gpu_memory_bytes: float) -> tuple[MemoryEstimate, str | None]:
+    """(the run's plan, why CUDA graphs stay off for memory or None). ``plan_for(**changes)``: the run's estimate;
+    ``blocker``: ``graph_blocker`` from the settings alone. Where graphs would run, the plan counts their pool; where
+    that does not fit, auto plans without them and says why, and ``cuda_graphs true`` raises InputError."""
+    from megablocks_utils.train.cuda_graph import resolve_cuda_graphs
+
+    plan = plan_for()
+    if blocker is not None or not resolve_cuda_graphs(cuda_graphs, None)[0]:
+        return plan, None
+    with_graphs = plan_for(cuda_graphs=True)
+    memory = graphs_memory_blocker(with_graphs, gpu_memory_bytes)
+    if memory is None:
+        return with_graphs, None
+    resolve_cuda_graphs(cuda_graphs, memory)  # true: InputError saying why
+    return plan, memory
 
 
 def check_fit(estimate: MemoryEstimate, gpu_memory_bytes: float, *, hint: bool = False) -> None:

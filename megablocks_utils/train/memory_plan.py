@@ -103,6 +103,7 @@ class Plan:
     ep_capacity_factor: float = 0.0  # > 0: the static exchange, every MoE layer's received rows at this x the mean
     quantize_base: str = "none"  # LoRA: "fp8" holds the frozen experts and decoder linear layers in FP8 (model/quantized_base.py)
     released: str | None = None  # how the checkpoint is quantized as released (loading.checkpoint_quantization): "mxfp4" experts stay so
+    cuda_graphs: bool = False  # whole micro-steps as CUDA graphs (where no FSDP runs): their pool holds activations + logits again
 
 
 @dataclass
@@ -131,6 +132,7 @@ class MemoryEstimate:
     fsdp: bool = True  # False: one rank with bf16 weights (parallelize.needs_fsdp), gradients accumulated in place
     expert_grads_persist: bool = False  # expert gradients live across micro-steps, next to the activations
     adapters: int = 0  # LoRA's adapter parameters (global); 0 for a full fine-tune
+    graph_pool: float = 0.0  # CUDA graphs' private pool: a micro-step's activations and logits beside the eager steps' blocks
 
     def describe(self, on_gpus: bool = True) -> str:
         """The model, the plan and (``on_gpus``) the peak per GPU by kind; on CPU ranks the first two only."""
@@ -159,7 +161,7 @@ class MemoryEstimate:
             ("logits", self.logits),
             ("accumulated grads", self.accumulated_grads),
             ("overhead", self.overhead),
-        ]:
+        ] + [("CUDA graphs' pool", self.graph_pool)] * (self.graph_pool > 0):
             lines.append(f"  {label:<19}{value / GiB:7.1f}")
         if not self.fsdp and p.gradient_accumulation_steps > 1:
             where = "dense weights whole on every rank" if p.fsdp_wrap == "none" and p.world_size > 1 else "one rank"
@@ -202,36 +204,20 @@ def estimate_memory(
     ep_capacity_factor: float = 0.0,
     recompute_swiglu: bool = False,
     quantize_base: str = "none",
+    cuda_graphs: bool = False,
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training plan; ``config_or_dir``: a config, a config.json dict or a model directory."""
     if fsdp_wrap not in FSDP_WRAPS:
         raise ValueError(f"fsdp_wrap={fsdp_wrap!r}: give the units the run builds, {', '.join(map(repr, FSDP_WRAPS))} (resolve_fsdp_wrap)")
     config = load_config(config_or_dir)
     released = released_format(config_or_dir) if isinstance(config_or_dir, (str, os.PathLike)) else None
-    plan = Plan(
-        world_size=world_size,
-        ep_size=ep_size,
-        optim=optim,
-        shard_experts=shard_experts,
-        dp_replicate=dp_replicate,
-        nproc_per_node=nproc_per_node,
-        max_length=max_length,
-        per_device_train_batch_size=per_device_train_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        activation_checkpointing=activation_checkpointing,
-        activation_checkpointing_layers=activation_checkpointing_layers,
-        finetuning=finetuning,
-        lora_r=lora_r,
-        lora_dropout=lora_dropout,
-        lora_target_modules=lora_target_modules,
-        chunked_loss=chunked_loss,
-        checkpoint_experts=checkpoint_experts,
-        fsdp_wrap=fsdp_wrap,
-        ep_capacity_factor=ep_capacity_factor,
-        recompute_swiglu=recompute_swiglu,
-        quantize_base=quantize_base,
-        released=released,
-    )
+    plan = Plan(world_size=world_size, ep_size=ep_size, optim=optim, shard_experts=shard_experts, dp_replicate=dp_replicate,
+                nproc_per_node=nproc_per_node, max_length=max_length, per_device_train_batch_size=per_device_train_batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps, activation_checkpointing=activation_checkpointing,
+                activation_checkpointing_layers=activation_checkpointing_layers, finetuning=finetuning, lora_r=lora_r,
+                lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, chunked_loss=chunked_loss,
+                checkpoint_experts=checkpoint_experts, fsdp_wrap=fsdp_wrap, ep_capacity_factor=ep_capacity_factor,
+                recompute_swiglu=recompute_swiglu, quantize_base=quantize_base, released=released, cuda_graphs=cuda_graphs)
     return estimate_plan(config, plan)
 
 
@@ -372,7 +358,9 @@ def estimate_plan(config, plan: Plan) -> MemoryEstimate:
             # micro-step is a graph), each bucket's fp32 copy is kept until the step's finish: at the backward's end every
             # dense gradient has one (4 bytes each) beside the gradients, while the activations are gone.
             during_backward = max(during_backward, grads + 4.0 * trained.dense)
-    allocated = params + state + gathered_weights + gathered_grads + during_backward
+    # The graphs' pool (memory_fit.graphs_memory_blocker) beside the blocks the eager warm-up steps left in the allocator
+    graph_pool = activations + logits if plan.cuda_graphs and not fsdp else 0.0
+    allocated = params + state + gathered_weights + gathered_grads + during_backward + graph_pool
     overhead = OVERHEAD_BYTES + FRAGMENTATION * allocated
     return MemoryEstimate(
         name=getattr(config, "_memory_name", "") or getattr(config, "_name_or_path", "") or config.model_type,
@@ -397,4 +385,5 @@ def estimate_plan(config, plan: Plan) -> MemoryEstimate:
         fsdp=fsdp,
         expert_grads_persist=expert_grads_persist and fsdp,
         adapters=0 if lora is None else lora.dense + lora.expert,
+        graph_pool=graph_pool,
     )

@@ -1,6 +1,6 @@
 """CUDA graphs (train/cuda_graph.py) over LoRA and over activation checkpointing train as the same micro-steps launched
 from Python, on one GPU: train_fsdp2.py on the tiny model, bf16 (``--optim adamw_bf16``: no FSDP on one GPU), packed rows
-(varlen), each run with ``--cuda_graphs true`` against the same run with ``false``.
+(varlen), each run with ``--cuda_graphs true`` against the same run with ``false``; LoRA's adapters in bf16 and in fp32.
 
 The recompute under a graph reads no RNG state (none to replay without dropout: ``trains_with_dropout``); LoRA's adapters
 get their gradients added into place by the replayed backward; the FP8 base's kernel finds each tile's expert on the
@@ -12,21 +12,21 @@ import pytest
 from .launch import gpus, launch_together, metrics, train_fsdp2, worst_relative
 
 pytestmark = gpus(1)
-COMMON = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--optim", "adamw_bf16",
-          "--dtype", "bf16")
-LORA = ("--finetuning", "lora")
+COMMON = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--dtype", "bf16")
+LORA = ("--finetuning", "lora", "--optim", "adamw_bf16")
 RUNS = {
     "lora": LORA,
+    "lora_fp32_adapters": ("--finetuning", "lora"),  # the default optim: fp32 adapters, cast as each forward reads them
     "lora_experts": (*LORA, "--checkpoint_experts", "true"),
     "lora_selective": (*LORA, "--activation_checkpointing", "selective"),
-    "full_recompute": ("--activation_checkpointing", "full"),
+    "full_recompute": ("--optim", "adamw_bf16", "--activation_checkpointing", "full"),
     "lora_fp8_experts": (*LORA, "--quantize_base", "fp8", "--checkpoint_experts", "true"),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
-    """Each case with graphs and without, the ten launches together."""
+    """Each case with graphs and without, the launches together."""
     root = tmp_path_factory.mktemp("graphs_lora")
     commands, out = {}, {}
     for case, flags in RUNS.items():
