@@ -406,7 +406,7 @@ def check_mxfp4_release(rank, world, path, reference_path):
 def test_mxfp4_release_keeps_gpt_oss_experts_in_mxfp4(tmp_path, monkeypatch):
     """gpt-oss's released MXFP4 experts stay MXFP4 (the checkpoint's bytes), the attention goes to FP8, and the model
     gives the logits of transformers' model holding transformers' dequantization of the same bytes; without
-    --quantize_base fp8 the checkpoint is refused with what to do, and on a GPU (not yet run there) too."""
+    --quantize_base fp8 the checkpoint is refused with what to do; on a GPU (where it has run) it is taken."""
     from megablocks_utils.model.loading import check_model_dir
     from megablocks_utils.model.quantized_base import check_quantize_base, released_format
 
@@ -417,6 +417,8 @@ def test_mxfp4_release_keeps_gpt_oss_experts_in_mxfp4(tmp_path, monkeypatch):
     assert "holds MXFP4-quantized experts" in str(error.value) and "--quantize_base fp8" in str(error.value)
     assert released_format(path) == "mxfp4" and released_format(reference_path) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    check_quantize_base("fp8", finetuning="lora", device_type="cuda", world_size=1, released="mxfp4")  # no error
+    monkeypatch.setattr("megablocks_utils.model.quantized_base.RAN_ON_GPUS", ("fp8",))  # the guard, for a format not yet run
     with pytest.raises(InputError, match="mxfp4 experts have not run on a GPU yet"):
         check_quantize_base("fp8", finetuning="lora", device_type="cuda", world_size=1, released="mxfp4")
     run_ranks(check_mxfp4_release, 1, path, reference_path)

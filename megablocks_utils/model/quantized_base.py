@@ -28,9 +28,10 @@ QUANTIZE_BASE = ("none", "fp8")
 QUANTIZED_BASE_RAN_ON_GPUS = 1
 
 
-# Released formats whose GEMMs have run on a GPU (tests/gpu): gpt-oss's MXFP4 experts are dequantized before their
-# grouped GEMM, checked on CPU against transformers' own dequantization, not yet run on a GPU.
-RAN_ON_GPUS = ("fp8",)
+# Released formats whose GEMMs have run on a GPU (tests/gpu/test_quantized_base.py, one H200): gpt-oss's MXFP4 experts
+# are dequantized before their grouped GEMM, equal to transformers' own dequantization (CPU) and to bf16 experts holding
+# their values (GPU).
+RAN_ON_GPUS = ("fp8", "mxfp4")
 
 
 def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str, world_size: int,
