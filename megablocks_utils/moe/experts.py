@@ -273,7 +273,8 @@ class LocalExperts:
             # The grouped GEMMs stop at their last offset, so the rows past it (the static exchange's padding) are
             # never read, either way; one expert's plain GEMMs read every row (their weight gradients sum them). Rows
             # without padding keep the compiled forward and the unbounded backward (faster at Qwen3's width: the
-            # bounded backward took 0.137 against 0.093 ms a call on one H200, bench/swiglu_bench.py, 2026-11-29).
+            # bounded backward took 0.137 against 0.093 ms a call on one H200, 2026-11-29: bench/swiglu_bench.py,
+            # retired, in git history at e823338).
             hidden = silu_mul(gate_up, valid)
         elif fuse and self.clamped_swiglu is not None:
             hidden = fused(_gpt_oss_glu)(gate_up, *self.clamped_swiglu, self.interleaved)

@@ -3,8 +3,9 @@ it for the large CUDA gradients, the experts' among them).
 
 Why: torch's multi-tensor norm (``_foreach_norm``, what ``clip_grad_norm_`` runs) reads bf16 gradients at 2.3 TB/s on
 an H200, in launches of at most a few hundred blocks each: 9.3 ms for DeepSeek-V2-Lite's 20-layer expert gradients
-(21 GB), where this kernel takes 4.9 ms (4.3 TB/s; bench/grad_norm_bench.py). Each program sums its elements' squares
-in fp32 and writes its own partial; the partials are then summed by torch: the same order every run, no atomics.
+(21 GB), where this kernel takes 4.9 ms (4.3 TB/s; bench/grad_norm_bench.py, retired, in git history at e823338).
+Each program sums its elements' squares in fp32 and writes its own partial; the partials are then summed by torch: the
+same order every run, no atomics.
 """
 
 import torch
