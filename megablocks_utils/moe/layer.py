@@ -72,8 +72,7 @@ class ExpertParallelExperts(ExpertWeights):
         self.num_local_experts = num_experts // mesh.ep_size
         self.local = LocalExperts(act_fn, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit, force_loop=force_loop)
         self.overlap_chunks = overlap_chunks
-        self.recompute = False  # keep only the inputs; rerun the forward in the backward (checkpoint_experts)
-        self.recompute_rng = True  # the recompute replays the RNG state (off without dropout: trains_with_dropout)
+        self.recompute, self.recompute_rng = False, True  # checkpoint_experts; replay the RNG (off without dropout)
         self.recompute_swiglu = False  # SwiGLU's output made again in the backward, not kept (recompute_swiglu: experts.silu_mul_down)
         self.exchange_mode = None  # the model's ExchangeMode where ep_capacity_factor > 0 (exchange_mode.py)
 
