@@ -321,12 +321,13 @@ def main() -> None:
                 for i, batch in enumerate(batches):
                     graphs.micro_step(step_loss, batch, steps_done=step, first=i == 0)
                 total = step_loss.sums.all_reduce().ce_sum / labels
-            for batch in batches if graphs is None else []:
+            for batch in batches if graphs is None else []:  # the loss read once a step, as train_fsdp2.py reads it
                 loss_sum, out = forward_with_loss(model, batch["model_inputs"], batch["labels"])
                 loss = loss_sum / labels
                 loss.backward()
-                total += float(loss.detach())
+                total += loss.detach()
                 del out, loss_sum, loss
+            total = float(total)
             norm = clip_grad_norm_(trained, 1.0)
             optimizer.step()
             if graphs is not None:
