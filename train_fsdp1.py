@@ -87,7 +87,7 @@ from megablocks_utils.errors import CheckpointError, InputError, NonFiniteStep  
 from megablocks_utils.model.attention import choose_attention  # noqa: E402  (settings first, so they read like a config file)
 from megablocks_utils.model.loading import load_config  # noqa: E402
 from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
-from megablocks_utils.parallel.mesh import check_ep_size  # noqa: E402
+from megablocks_utils.mesh import check_ep_size  # noqa: E402
 from megablocks_utils.train.tensorboard_writer import require_tensorboard  # noqa: E402
 
 training_fields = dataclasses.fields(TrainingArguments)

@@ -104,7 +104,7 @@ from megablocks_utils.model.tiny import ensure_default_model  # noqa: E402
 from megablocks_utils.parallel.activation_checkpointing import (
     parse_activation_checkpointing,  # noqa: E402
 )
-from megablocks_utils.parallel.mesh import FSDP_UNITS_TEXT, check_dp_replicate, check_ep_size  # noqa: E402
+from megablocks_utils.mesh import FSDP_UNITS_TEXT, check_dp_replicate, check_ep_size  # noqa: E402
 from megablocks_utils.train.cuda_graph import (  # noqa: E402
     WARMUP_STEPS,
     MicroStepGraphs,
@@ -330,7 +330,7 @@ stop_if_finished(output_dir, resume_from, resume_step, total_steps)  # e.g. a re
 space = disk_space_warning(output_dir, plan.counts.total, optim, checkpoints_kept(total_steps, save_steps, save_total_limit))
 if master and space:
     print(space, flush=True)
-# The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/parallel/mesh.py).
+# The meshes: experts over ep (and FSDP over dp), dense weights over all ranks (megablocks_utils/mesh.py).
 mesh = build_mesh(ep, device.type, num_experts, experts_name or "num_local_experts", timeout,
                   shard_experts=experts_sharded, dp_replicate=dp_replicate)
 with stop_together():

@@ -13,7 +13,7 @@ from megablocks_utils import load_model, spec_for
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.export import hub_state_dict, write_shards
 from megablocks_utils.model.loading import Checkpoint, check_model_dir
-from megablocks_utils.parallel.mesh import check_ep_size
+from megablocks_utils.mesh import check_ep_size
 
 EXPERT_NAME = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.\w+\.weight$")
 

@@ -138,10 +138,11 @@ def test_moe_does_not_import_model():
     assert not ties, "moe/ imports model/ (move the piece it needs into moe/, or the piece that needs both up into model/): " + "; ".join(ties)
 
 
-@pytest.mark.parametrize("room,above", [("moe", "parallel"), ("data", "model")])
+@pytest.mark.parametrize("room,above", [("moe", "parallel"), ("data", "model"), ("model", "parallel")])
 def test_a_room_does_not_import_the_one_built_on_it(room, above):
     """``parallel/`` spreads the MoE layers over GPUs (the layer reads the mesh it is given, nothing of ``parallel/``);
-    ``model/`` reads the data's rows (varlen's document boundaries are the packed rows': ``data/packing``)."""
+    ``model/`` reads the data's rows (varlen's document boundaries are the packed rows': ``data/packing``); ``model/``
+    is built onto the mesh (``mesh.py``, below both) and ``parallel/`` spreads it over it."""
     ties = room_ties(room, above)
     assert not ties, f"{room}/ imports {above}/: " + "; ".join(ties)
 

@@ -21,7 +21,7 @@ def check_mesh_groups_time_out(rank, world_size, timeout_s):
     """On a (dp=2, ep=2) mesh the dp and ep groups are groups of their own: they must time out too."""
     # The package imports its modules lazily: this loads mesh.py and errors.py, not transformers (which
     # would cost each of the 4 ranks ~20 s on 2 cores).
-    from megablocks_utils.parallel.mesh import build_mesh
+    from megablocks_utils.mesh import build_mesh
 
     mesh = build_mesh(2, "cpu", timeout=timedelta(seconds=timeout_s))
     dist.barrier()

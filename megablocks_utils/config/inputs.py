@@ -1,7 +1,7 @@
 """Bad input: check a run's inputs before anything heavy runs, and stop every rank with one message.
 
 The checks (data file, model directory, output directory; ep_size against the world size is
-``parallel/mesh.py``'s) read only small files, so they run on every rank before the process group,
+``mesh.py``'s) read only small files, so they run on every rank before the process group,
 the model or transformers' heavy modules: each rank reaches the same verdict from the same files,
 rank 0 prints it, all exit.
 What can only fail later, possibly on some ranks only (a rank reads only its own experts), runs

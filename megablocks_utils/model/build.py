@@ -25,7 +25,7 @@ from megablocks_utils.moe.layer import ExpertParallelExperts, ExpertParallelMoE
 from megablocks_utils.moe.megablocks_backend import MegablocksExperts, check_megablocks
 from megablocks_utils.moe.quantized import quantize_weight
 from megablocks_utils.moe.router import TopKRouter
-from megablocks_utils.parallel.mesh import MoEMesh, build_mesh
+from megablocks_utils.mesh import MoEMesh, build_mesh
 
 BACKENDS = ("native", "megablocks")
 

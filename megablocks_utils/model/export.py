@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from megablocks_utils.model.architectures import MoESpec, decoder_layers, spec_for
 from megablocks_utils.model.build import local_expert_weights
 from megablocks_utils.moe.layer import ExpertParallelMoE
-from megablocks_utils.parallel.mesh import MoEMesh
+from megablocks_utils.mesh import MoEMesh
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -65,7 +65,7 @@ class ExpertParallelExperts(ExpertWeights):
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={overlap_chunks}: give 1 (no overlap) or more chunks")
         self.num_experts = num_experts
-        self.mesh = mesh  # the run's parallel.mesh.MoEMesh: the layer reads its ep size, rank and group
+        self.mesh = mesh  # the run's mesh.MoEMesh: the layer reads its ep size, rank and group
         # Read here: the forward then calls no DeviceMesh method for it (torch 2.11's dynamo fails tracing them, which
         # compiling a whole decoder layer would do; the group comes from ``_ep_group``, outside compile).
         self.ep_size = mesh.ep_size

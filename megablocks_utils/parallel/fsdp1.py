@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from megablocks_utils.config.inputs import fsdp_requested
 from megablocks_utils.model.export import export_hf
-from megablocks_utils.parallel.mesh import MoEMesh
+from megablocks_utils.mesh import MoEMesh
 
 
 def fsdp_on_cpu(accelerator) -> bool:

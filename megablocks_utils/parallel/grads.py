@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megablocks_utils.moe.blocks import expert_parameters
-from megablocks_utils.parallel.mesh import REPLICATED_BUCKET, MoEMesh
+from megablocks_utils.mesh import REPLICATED_BUCKET, MoEMesh
 
 
 def sync_expert_grads(model: nn.Module, mesh: MoEMesh) -> None:

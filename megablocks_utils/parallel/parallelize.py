@@ -39,7 +39,7 @@ from megablocks_utils.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from megablocks_utils.parallel.compile_dense import compile_dense_parts
-from megablocks_utils.parallel.mesh import FSDP_WRAPS, MoEMesh
+from megablocks_utils.mesh import FSDP_WRAPS, MoEMesh
 
 
 def parallelize(

@@ -190,7 +190,7 @@ def fit_error(estimate: MemoryEstimate, gpu_memory_bytes: float) -> str | None:
 
 def resolve_fsdp_wrap(setting: str, estimate: Callable[[str], MemoryEstimate], gpu_memory_bytes: float, world_size: int,
                       ep: int, replicated: bool = False) -> str:
-    """The script's ``fsdp_wrap`` ("auto", "layer", "model" or "none"; parallel/mesh.FSDP_WRAPS) as the units to build.
+    """The script's ``fsdp_wrap`` ("auto", "layer", "model" or "none"; mesh.FSDP_WRAPS) as the units to build.
 
     "auto" is "model" where ep covers every rank (the experts stay out of FSDP, so FSDP's per-layer hooks only gather
     dense weights; measured there: 2 x H200 at ep 2, 11% faster steps, BENCHMARKS.md) and the plan with every layer's

@@ -20,7 +20,7 @@ from megablocks_utils.errors import InputError
 from megablocks_utils.model.loading import load_config
 from megablocks_utils.model.lora import DEFAULT_TARGETS
 from megablocks_utils.model.quantized_base import released_format
-from megablocks_utils.parallel.mesh import FSDP_WRAPS, REPLICATED_BUCKET, check_ep_size
+from megablocks_utils.mesh import FSDP_WRAPS, REPLICATED_BUCKET, check_ep_size
 from megablocks_utils.train.memory_activations import (
     activation_bytes,
     check_checkpointed_layers,
@@ -99,7 +99,7 @@ class Plan:
     chunked_loss: bool = True  # the loss inside lm_head's forward, over chunks of rows (train/loss.py)
     checkpoint_experts: bool = False  # the routed experts of layers not checkpointed are recomputed
     recompute_swiglu: bool = False  # the experts' SwiGLU output made again in the backward (where it applies)
-    fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (parallel/mesh.FSDP_WRAPS)
+    fsdp_wrap: str = "layer"  # "model": every layer's dense weights gathered at once (mesh.FSDP_WRAPS)
     ep_capacity_factor: float = 0.0  # > 0: the static exchange, every MoE layer's received rows at this x the mean
     quantize_base: str = "none"  # LoRA: "fp8" holds the frozen experts and decoder linear layers in FP8 (model/quantized_base.py)
     released: str | None = None  # how the checkpoint is quantized as released (loading.checkpoint_quantization): "mxfp4" experts stay so
@@ -175,7 +175,7 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-# The ``fsdp_wrap`` setting's values: the FSDP units a run may build (parallel/mesh.FSDP_WRAPS) or "auto"
+# The ``fsdp_wrap`` setting's values: the FSDP units a run may build (mesh.FSDP_WRAPS) or "auto"
 # (``resolve_fsdp_wrap``).
 FSDP_WRAP_SETTINGS = ("auto", *FSDP_WRAPS)
 
@@ -285,7 +285,7 @@ def estimate_plan(config, plan: Plan) -> MemoryEstimate:
     # What trains (every weight; with LoRA the adapters) has gradients and optimizer state; LoRA's frozen weights
     # are kept in the compute dtype and have neither (megablocks_utils/model/lora.py).
     lora = _adapters(config, plan)
-    # fsdp_wrap "none": the dense weights whole on every rank (parallel/mesh.FSDP_WRAPS), nothing gathered or reduced
+    # fsdp_wrap "none": the dense weights whole on every rank (mesh.FSDP_WRAPS), nothing gathered or reduced
     # inside a micro-step; their gradients accumulate in place and are averaged once a step
     replicated_dense = plan.fsdp_wrap == "none" and w > 1
     if replicated_dense and ep != w:  # (and weights in the compute dtype: parallelize.check_replicated_dense)
