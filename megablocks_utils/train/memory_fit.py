@@ -227,7 +227,7 @@ def plan_graphs(plan_for, cuda_graphs, blocker: str | None, gpu_memory_bytes: fl
     """(the run's plan, why CUDA graphs stay off for memory or None). ``plan_for(**changes)``: the run's estimate;
     ``blocker``: ``graph_blocker`` from the settings alone. Where graphs would run, the plan counts their pool; where
     that does not fit, auto plans without them and says why, and ``cuda_graphs true`` raises InputError."""
-    from megablocks_utils.train.cuda_graph import resolve_cuda_graphs
+    from megablocks_utils.train.cuda_graph import resolve_cuda_graphs  # here: the fit check loads no MoE code
 
     plan = plan_for()
     if blocker is not None or not resolve_cuda_graphs(cuda_graphs, None)[0]:
