@@ -131,10 +131,15 @@ def test_lora_loss_and_adapter_grads_match_transformers_and_peft(dp, ep, checkpo
     run_ranks(check_matches_peft, dp * ep, ep, checkpointing, cases)
 
 
-def check_recompute_replays_dropout(rank, world, force_rng):
+def check_recompute_replays_dropout(rank, world):
     """LoRA with dropout: each recompute (full, selective, the experts alone) gives the adapters the gradients of no
-    recompute, from one seed: the recompute replays the forward's dropout masks. ``force_rng`` False: that replay
-    switched off by hand (the masks then differ), to show the comparison can fail."""
+    recompute, from one seed: the recompute replays the forward's dropout masks. Then that replay switched off by hand
+    (the masks then differ), to show the comparison can fail."""
+    for force_rng in (True, False):
+        _recompute_against_none(rank, world, force_rng)
+
+
+def _recompute_against_none(rank, world, force_rng):
     from test_equivalence import make_batch, rank_loss
     from transformers import AutoModelForCausalLM
 
@@ -187,8 +192,7 @@ def test_recompute_replays_lora_dropout_and_skips_the_rng_without_it(tiny_model_
 
     from megablocks_utils.parallel.activation_checkpointing import trains_with_dropout
 
-    run_ranks(check_recompute_replays_dropout, 1, True)
-    run_ranks(check_recompute_replays_dropout, 1, False)
+    run_ranks(check_recompute_replays_dropout, 1)
     assert not trains_with_dropout(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
 
 
