@@ -174,8 +174,8 @@ def main() -> None:
     if args.variant == "peft" and (args.release or args.ac == "selective" or args.ac_layers != -1 or args.checkpoint_experts or args.loss == "chunked"
                                    or args.adapter_dtype != "fp32" or args.quantize_base != "none"):
         p.error("--ac selective, --ac_layers, --checkpoint_experts, --loss chunked, --adapter_dtype bf16, --quantize_base and --release are ours only")
-    if args.cuda_graphs and (args.variant == "peft" or args.adapter_dtype != "bf16" or args.warmup <= 2):
-        p.error("--cuda_graphs: ours with --adapter_dtype bf16, and --warmup 3 or more (2 eager steps, then the captures)")
+    if args.cuda_graphs and (args.variant == "peft" or args.warmup <= 2):
+        p.error("--cuda_graphs: ours, with --warmup 3 or more (2 eager steps, then the captures)")
     args.compile_dense = args.variant == "ours" if args.compile_dense == "default" else args.compile_dense == "true"
     chunked = args.variant == "ours" and args.loss != "full"
 

@@ -185,6 +185,25 @@ def _recompute_against_none(rank, world, force_rng):
     assert not any(m.recompute_rng for m in model.modules() if isinstance(m, ExpertParallelExperts))
 
 
+def check_replay_kept_on_two_ranks(rank, world):
+    """Above the GPU count the skipped replay has run on (SKIPPED_RNG_REPLAY_RAN_ON_GPUS) the recompute replays the RNG
+    state as before, dropout or not."""
+    from transformers import AutoModelForCausalLM
+
+    from megablocks_utils import build_mesh, shard_moe
+    from megablocks_utils.moe.layer import ExpertParallelExperts
+    from megablocks_utils.parallel.activation_checkpointing import SKIPPED_RNG_REPLAY_RAN_ON_GPUS
+    from megablocks_utils.parallel.parallelize import parallelize
+
+    assert world > SKIPPED_RNG_REPLAY_RAN_ON_GPUS
+    model = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe")).float().train()
+    mesh = build_mesh(2, "cpu")
+    shard_moe(model, mesh, device="cpu")
+    parallelize(model, mesh, param_dtype=torch.float32, activation_checkpointing="full", checkpoint_experts=True, device="cpu")
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    assert experts and all(m.recompute_rng for m in experts)
+
+
 def test_recompute_replays_lora_dropout_and_skips_the_rng_without_it(tiny_model_dir):
     """With dropout every recompute replays the forward's RNG state; without any, none is read (a CUDA graph capture
     cannot read it: train/cuda_graph.py)."""
@@ -193,6 +212,7 @@ def test_recompute_replays_lora_dropout_and_skips_the_rng_without_it(tiny_model_
     from megablocks_utils.parallel.activation_checkpointing import trains_with_dropout
 
     run_ranks(check_recompute_replays_dropout, 1)
+    run_ranks(check_replay_kept_on_two_ranks, 2)
     assert not trains_with_dropout(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
 
 

@@ -19,17 +19,16 @@ import triton
 import triton.language as tl
 
 SCALE_BLOCK = 128
-# (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages, swap): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one block
-# row); swap: the product computed transposed, the weight its first operand. The fastest of 8 unswapped tilings at Qwen3-30B-A3B's and
-# Mixtral-8x7B's expert shapes on one H200 (bench/fp8_gemm_bench.py, 2026-12-02): 256 x 128 x 64, 8 warps, 3 stages.
-CONFIG = (256, 128, 64, 8, 3, False)
+# (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one block row).
+# The fastest of 8 tilings at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes on one H200 (bench/fp8_gemm_bench.py,
+# 2026-12-02; the product computed transposed was slower in the whole step: bench/reports/fp8_base_h200_2026-12-02.md).
+CONFIG = (256, 128, 64, 8, 3)
 
 
 @triton.jit
 def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, stride_xm, stride_xr, stride_we, stride_wr,
                         stride_wc, stride_se, stride_sr, stride_sc, stride_om, stride_oc, E_POW2: tl.constexpr,
-                        SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SWAP: tl.constexpr):
+                        SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     slot = tl.program_id(0)
     # This program's expert and row tile, from the tiles each expert's rows need (no host sync).
     ids = tl.arange(0, E_POW2)
@@ -49,34 +48,21 @@ def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, stride_
     m_in, c_in = rm < end, rc < C
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_cols = s_ptr + expert.to(tl.int64) * stride_se + (rc // SCALE_BLOCK) * stride_sc
-    if SWAP:  # out^T = B^T x^T: the dequantized weight is the product's first operand, which may stay in registers
-        acc_t = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            r_in = rr < R
-            a_t = tl.load(x_ptr + rm[None, :] * stride_xm + rr[:, None] * stride_xr, mask=m_in[None, :] & r_in[:, None], other=0.0)
-            w_t = tl.load(w_base + rr[None, :] * stride_wr + rc[:, None] * stride_wc, mask=r_in[None, :] & c_in[:, None], other=0.0)
-            scale = tl.load(s_cols + (r0 // SCALE_BLOCK) * stride_sr, mask=c_in, other=0.0)
-            b_t = (w_t.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)  # the dequantized values
-            acc_t = tl.dot(b_t, a_t, acc_t)
-        tl.store(out_ptr + rm[None, :] * stride_om + rc[:, None] * stride_oc, acc_t.to(out_ptr.dtype.element_ty),
-                 mask=m_in[None, :] & c_in[:, None])
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            r_in = rr < R
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + rr[None, :] * stride_xr, mask=m_in[:, None] & r_in[None, :], other=0.0)
-            w = tl.load(w_base + rr[:, None] * stride_wr + rc[None, :] * stride_wc, mask=r_in[:, None] & c_in[None, :], other=0.0)
-            scale = tl.load(s_cols + (r0 // SCALE_BLOCK) * stride_sr, mask=c_in, other=0.0)
-            b = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)  # the dequantized values
-            acc = tl.dot(a, b, acc)
-        tl.store(out_ptr + rm[:, None] * stride_om + rc[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty),
-                 mask=m_in[:, None] & c_in[None, :])
+    acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_in = rr < R
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + rr[None, :] * stride_xr, mask=m_in[:, None] & r_in[None, :], other=0.0)
+        w = tl.load(w_base + rr[:, None] * stride_wr + rc[None, :] * stride_wc, mask=r_in[:, None] & c_in[None, :], other=0.0)
+        scale = tl.load(s_cols + (r0 // SCALE_BLOCK) * stride_sr, mask=c_in, other=0.0)
+        b = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)  # the dequantized values
+        acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + rm[:, None] * stride_om + rc[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty),
+             mask=m_in[:, None] & c_in[None, :])
 
 
 def fp8_grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, transpose: bool,
-                   config: tuple[int, int, int, int, int, bool] = CONFIG) -> torch.Tensor:
+                   config: tuple[int, int, int, int, int] = CONFIG) -> torch.Tensor:
     """x [T, R] (rows grouped by expert, ``offs`` [E] each group's end) times each expert's dequantized FP8 weight:
     ``W_e^T`` (``transpose``: W [E, C, R], the forward) or ``W_e`` (W [E, R, C], the input's gradient); ``scale`` the
     weight's [E, ceil(out / 128), ceil(in / 128)] block scales. Rows past the last offset are left unwritten."""
@@ -85,7 +71,7 @@ def fp8_grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, off
     if x.shape[1] != r or offs.numel() != experts or scale.shape != (experts, -(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)):
         raise ValueError(f"fp8_grouped_mm: x {tuple(x.shape)}, weight {tuple(data.shape)}, scale {tuple(scale.shape)}, "
                          f"offs {tuple(offs.shape)} do not fit (transpose {transpose})")
-    block_m, block_c, block_r, warps, stages, swap = config
+    block_m, block_c, block_r, warps, stages = config
     out = torch.empty(x.shape[0], c, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or c == 0:
         return out
@@ -96,6 +82,6 @@ def fp8_grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, off
     _fp8_grouped_kernel[grid](
         x, data, scale, out, offs, experts, r, c, x.stride(0), x.stride(1), data.stride(0), swr, swc, scale.stride(0), ssr, ssc,
         out.stride(0), out.stride(1), E_POW2=triton.next_power_of_2(experts), SCALE_BLOCK=SCALE_BLOCK,
-        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_R=block_r, SWAP=swap, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_R=block_r, num_warps=warps, num_stages=stages,
     )
     return out

@@ -51,6 +51,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
@@ -62,6 +63,8 @@ from megablocks_utils.config.inputs import parse_bool
 from megablocks_utils.model.architectures import decoder_layers
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+# The recompute skips the RNG replay (no dropout) on at most this many GPUs: where it has run (one H200, 2026-12-02).
+SKIPPED_RNG_REPLAY_RAN_ON_GPUS = 1
 
 # (namespace, op): outputs that "selective" keeps. Exact .default overloads (see the module docstring
 # on out= variants); an op this torch build lacks is skipped.
@@ -178,7 +181,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, layers: int = -1
     )
 
     chosen = set() if mode == "none" or layers == 0 else set(checkpointed_layers(len(decoder), layers))
-    random = trains_with_dropout(model)  # without it no RNG state to replay: none read (a CUDA graph capture cannot)
+    # Without dropout no RNG state to replay: none read (a CUDA graph capture cannot). On more GPUs than that has run on,
+    # the replay stays, as before (CUDA graphs under a recompute are refused there too: train/cuda_graph.graph_blocker).
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    random = trains_with_dropout(model) or ranks > SKIPPED_RNG_REPLAY_RAN_ON_GPUS
     for index, layer in enumerate(decoder):
         for module in layer.modules():
             if isinstance(module, ExpertParallelExperts):
