@@ -1,15 +1,14 @@
 """FP8 GEMMs against torch's bf16 ones, one GPU. Prints one JSON line per measurement.
 
 Default: the experts' GEMMs over an FP8 base at a model's expert shapes, routing even, forward (x @ W^T) and the input's
-gradient (grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass then it, the in-register dequantizing
-kernel (``moe/fp8_gemm_kernel.py``, each tiling) and the FP8 x FP8 kernel with the rows quantized per 128 inputs
-(``moe/fp8_scaled_gemm_kernel.py``, its quantization included).
+gradient (grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass then it, and the in-register dequantizing
+kernel (``moe/fp8_gemm_kernel.py``, each tiling).
 
 ``--table``: forward + backward (both gradients), quantization included, of torch's bf16 GEMMs against torchao's FP8
 training GEMMs: the experts' grouped GEMM (torchao's rowwise grouped) and a dense Linear (torchao's float8 rowwise and
 tensorwise, compiled).
 
-    python bench/fp8_gemm_bench.py [--shapes qwen3,mixtral] [--configs 1] [--scaled_configs all] [--table]
+    python bench/fp8_gemm_bench.py [--shapes qwen3,mixtral] [--configs all] [--table]
 """
 
 import argparse
@@ -25,7 +24,6 @@ SHAPES = {  # experts, hidden, moe width, routed rows (4,096 tokens x top-k)
     "mixtral": (8, 4096, 14336, 4096 * 2),
     "glm45_air": (128, 4096, 1408, 4096 * 8),
 }
-SCALED_CONFIGS = [(128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 3), (128, 128, 4, 4), (256, 128, 8, 3)]
 CONFIGS = [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 8, 3),
            (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 4)]  # the tilings of 2026-12-02, the kept one first
 
@@ -50,12 +48,10 @@ def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
 def kernels(args) -> None:
     """The experts' GEMMs over an FP8 base: forward and the input's gradient, each path and tiling."""
     from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm
-    from megablocks_utils.moe.fp8_scaled_gemm_kernel import fp8_scaled_grouped_mm
     from megablocks_utils.moe.quantized import dequantize, quantize_fp8
     from megablocks_utils.moe.weight_grad import grouped_mm
 
     configs = CONFIGS if args.configs == "all" else CONFIGS[: int(args.configs)]
-    scaled = SCALED_CONFIGS if args.scaled_configs == "all" else SCALED_CONFIGS[: int(args.scaled_configs)]
     best = {}
     for shape in args.shapes.split(","):
         experts, hidden, width, rows = SHAPES[shape]
@@ -74,8 +70,6 @@ def kernels(args) -> None:
                 ref = grouped_mm(x.float(), (ref_w.transpose(-2, -1) if transpose else ref_w).float(), offs)
                 for config in configs:
                     runs[f"kernel{list(config)}"] = lambda c=config: fp8_grouped_mm(x, data, scale, offs, transpose, c)
-                for config in scaled:
-                    runs[f"scaled{list(config)}"] = lambda c=config: fp8_scaled_grouped_mm(x, data, scale, offs, transpose, c)
                 for path, fn in runs.items():
                     try:
                         seconds = timed(fn)
@@ -85,13 +79,11 @@ def kernels(args) -> None:
                         continue
                     print(json.dumps({"shape": shape, "gemm": name, "way": way, "path": path, "ms": seconds * 1e3,
                                       "tflops": flops / seconds / 1e12, **err}), flush=True)
-                    if path.startswith(("kernel", "scaled")):
+                    if path.startswith("kernel"):
                         best.setdefault(path, 0.0)
                         best[path] += seconds
-    for kind in ("kernel", "scaled"):
-        mine = {k: v * 1e3 for k, v in best.items() if k.startswith(kind)}
-        if mine:
-            print(json.dumps({"fastest": min(mine, key=mine.get), "total_ms": mine}))
+    if best:
+        print(json.dumps({"fastest": min(best, key=best.get), "total_ms": {k: v * 1e3 for k, v in best.items()}}))
 
 
 def table(args) -> None:
@@ -108,6 +100,23 @@ def table(args) -> None:
             fn(*inputs).backward(grad)
         return step
 
+    if "mixtral" in args.shapes:  # the dense Linear at Mixtral's width, 16k rows, compiled
+        rows = 16384
+        for k, n in ((4096, 14336), (14336, 4096)):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+            for path in ("bf16", "rowwise", "tensorwise"):
+                linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+                if path != "bf16":
+                    linear = convert_to_float8_training(linear, config=Float8LinearConfig.from_recipe_name(path))
+                fn = fwd_bwd(torch.compile(linear), x, leaves=(linear.weight,))
+                try:
+                    seconds = timed(fn)
+                except Exception as e:
+                    print(json.dumps({"gemm": f"linear {k}x{n}", "path": path, "error": str(e)[:300]}), flush=True)
+                    continue
+                print(json.dumps({"gemm": f"linear {k}x{n}", "rows": rows, "path": path, "ms": seconds * 1e3,
+                                  "tflops": 3 * 2 * rows * n * k / seconds / 1e12}), flush=True)
     for shape in args.shapes.split(","):
         experts, hidden, width, rows = SHAPES[shape]
         offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
@@ -127,30 +136,12 @@ def table(args) -> None:
                     continue
                 print(json.dumps({"gemm": f"experts {shape} {name}", "rows": rows, "path": path, "ms": seconds * 1e3,
                                   "tflops": flops / seconds / 1e12}), flush=True)
-    if "mixtral" in args.shapes:  # the dense Linear at Mixtral's width, 16k rows, compiled
-        rows = 16384
-        for k, n in ((4096, 14336), (14336, 4096)):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-            for path in ("bf16", "rowwise", "tensorwise"):
-                linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-                if path != "bf16":
-                    linear = convert_to_float8_training(linear, config=Float8LinearConfig.from_recipe_name(path))
-                fn = fwd_bwd(torch.compile(linear), x, leaves=(linear.weight,))
-                try:
-                    seconds = timed(fn)
-                except Exception as e:
-                    print(json.dumps({"gemm": f"linear {k}x{n}", "path": path, "error": str(e)[:300]}), flush=True)
-                    continue
-                print(json.dumps({"gemm": f"linear {k}x{n}", "rows": rows, "path": path, "ms": seconds * 1e3,
-                                  "tflops": 3 * 2 * rows * n * k / seconds / 1e12}), flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3,mixtral")
-    p.add_argument("--configs", default="1", help="the dequantizing kernel's tilings: all, or the first N of CONFIGS")
-    p.add_argument("--scaled_configs", default="all", help="the FP8 x FP8 kernel's: all, or the first N of SCALED_CONFIGS")
+    p.add_argument("--configs", default="all", help="the kernel's tilings: all, or the first N of CONFIGS")
     p.add_argument("--table", action="store_true", help="forward + backward against torchao's FP8 training GEMMs")
     args = p.parse_args()
     table(args) if args.table else kernels(args)

@@ -152,9 +152,6 @@ def main() -> None:
                    help="ours: bf16 adapters trained by adamw_bf16 (the script's --optim adamw_bf16) instead of fp32 + AdamW")
     p.add_argument("--quantize_base", choices=["none", "fp8"], default="none",
                    help="ours: the frozen experts and linear layers held in FP8 (the script's --quantize_base)")
-    p.add_argument("--quantized_gemm", choices=["dequantize", "fp8"], default="dequantize",
-                   help="ours, FP8 experts: their grouped GEMMs dequantize the weights (activations exact) or run FP8 x FP8 "
-                        "(activations rounded to e4m3 per 128 inputs): the script's --quantized_gemm")
     p.add_argument("--release", choices=["bf16", "fp8", "mxfp4"], default=None,
                    help="ours: random weights read layer by layer as from a checkpoint released so (bench/random_checkpoint.py: "
                         "models whose bf16 weights do not fit the GPU); default: transformers' model built in memory")
@@ -194,7 +191,7 @@ def main() -> None:
     )
     from megablocks_utils.data.batches import collate
     from megablocks_utils.model.attention import choose_attention
-    from megablocks_utils.model.quantized_base import describe_base, set_quantized_gemm
+    from megablocks_utils.model.quantized_base import describe_base
     from megablocks_utils.model.lora import (
         DEFAULT_TARGETS,
         LoraSettings,
@@ -271,8 +268,7 @@ def main() -> None:
                         checkpoint_experts=args.checkpoint_experts, compile_dense=args.compile_dense, device=device)
             keys = {k: tuple(v.shape) for k, v in peft_tensors(model).items()}
             load_peft_tensors(model, seeded_adapters(keys))
-            record.update(base=describe_base(model) or "bf16", quantized_gemm=args.quantized_gemm,
-                          quantized_gemm_weights=set_quantized_gemm(model, args.quantized_gemm))
+            record.update(base=describe_base(model) or "bf16")
         else:
             model = get_peft_model(model, peft_config(lora, find_targets(model, lora.targets), "", inference_mode=False))
             keys = {k.replace(".default", ""): tuple(v.shape) for k, v in model.named_parameters() if "lora_" in k}

@@ -97,69 +97,6 @@ def test_frozen_matmul_keeps_only_quantized_bytes(grouped):
     assert (torch.Size([experts, out_f, in_f]) if grouped else torch.Size([out_f, in_f]), torch.float8_e4m3fn) in saved
 
 
-def rows_rounded_to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """The reference of the "fp8" GEMM's activations: each row's 128-input groups scaled to a largest magnitude of 448,
-    rounded to e4m3 and scaled back (group by group, in fp32)."""
-    out = torch.empty(x.shape)
-    for j in range(0, x.shape[1], 128):
-        group = x[:, j:j + 128].float()
-        scale = group.abs().amax(dim=1, keepdim=True) / 448
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        out[:, j:j + 128] = (group / scale).to(torch.float8_e4m3fn).float() * scale
-    return out
-
-
-def test_fp8_gemm_rounds_activations_and_gradients():
-    """``gemm="fp8"`` (emulated on CPU as the GPU kernel computes it): the forward reads the rows rounded to e4m3 per 128
-    inputs, the backward the gradient rounded so; within e4m3's precision of the exact product, and not equal to it."""
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(3, 160, 300, generator=g)
-    q = QuantizedWeight("fp8", *quantize_fp8(w))
-    q.gemm = "fp8"
-    w_deq = q.dequantized(torch.float32)
-    x = (torch.randn(12, 300, generator=g) * torch.rand(12, 1, generator=g) * 4).requires_grad_()
-    offs = torch.tensor([5, 5, 12], dtype=torch.int32)
-    y = q.matmul(x, offs)
-    spans = list(zip([0, 5, 5], [5, 5, 12]))
-    ref = torch.cat([rows_rounded_to_fp8(x.detach()[a:b]) @ w_deq[e].T for e, (a, b) in enumerate(spans)])
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
-    exact = torch.cat([x.detach()[a:b] @ w_deq[e].T for e, (a, b) in enumerate(spans)])
-    assert 0 < float((y.detach() - exact).norm() / exact.norm()) < 0.05
-    grad = torch.randn(y.shape, generator=g)
-    y.backward(grad)
-    ref_grad = torch.cat([rows_rounded_to_fp8(grad[a:b]) @ w_deq[e] for e, (a, b) in enumerate(spans)])
-    torch.testing.assert_close(x.grad, ref_grad, rtol=1e-5, atol=1e-4)
-
-
-SCALED_KERNEL_CHECK = """
-import json, torch
-from megablocks_utils.moe.fp8_scaled_gemm_kernel import fp8_scaled_grouped_mm
-from megablocks_utils.moe.quantized import dequantize, quantize_fp8, round_rows_fp8
-g = torch.Generator().manual_seed(0)
-out = {}
-for n, k, counts, config in [(160, 200, [5, 0, 40, 19], (16, 32, 4, 1)), (256, 384, [70, 3], (32, 64, 4, 1))]:
-    data, scale = quantize_fp8(torch.randn(len(counts), n, k, generator=g))
-    w = dequantize("fp8", data, scale, torch.float32)
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    rows = int(offs[-1])
-    for transpose in (True, False):
-        x = torch.randn(rows + 3, k if transpose else n, generator=g)  # 3 padding rows past the last offset
-        got = fp8_scaled_grouped_mm(x, data, scale, offs, transpose, config)[:rows]
-        ref = torch.nn.functional.grouped_mm(round_rows_fp8(x[:rows]), w.transpose(-2, -1) if transpose else w, offs=offs)
-        out[f"{n}x{k}_{transpose}"] = float((got - ref).abs().max() / ref.abs().max())
-print(json.dumps(out))
-"""
-
-
-def test_fp8_scaled_kernel_equals_rounded_rows_times_dequantized_weight():
-    """The FP8 x FP8 GPU kernel (Triton's interpreter on CPU): each expert's rows, rounded to e4m3 per 128 inputs, times
-    its dequantized weight, both ways, ragged scale blocks, an expert with no rows."""
-    from conftest import run_in_triton_interpreter
-
-    errors = run_in_triton_interpreter(SCALED_KERNEL_CHECK)
-    assert len(errors) == 4 and max(errors.values()) < 1e-5, errors
-
-
 # ----------------------------------------------------------------------------- the model against transformers + PEFT
 def _round_base_to_fp8(model, arch):
     """transformers' model with every weight ``quantize_base fp8`` quantizes rounded as the reference rounds it."""

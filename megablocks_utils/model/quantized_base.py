@@ -21,7 +21,7 @@ from torch import nn
 
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import decoder_layers, spec_for
-from megablocks_utils.moe.quantized import GEMMS, QuantizedLinear, QuantizedWeight
+from megablocks_utils.moe.quantized import QuantizedLinear, QuantizedWeight
 
 QUANTIZE_BASE = ("none", "fp8")
 # The most GPUs a run with a quantized base has run on (tests/gpu, one H200). Raise it where tests/gpu passed above it.
@@ -121,18 +121,6 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
             setattr(model.get_submodule(parent) if parent else model, leaf, plain)
         elif isinstance(module, ExpertParallelExperts):
             module.dequantize_weights(dtype)
-
-
-def set_quantized_gemm(model: nn.Module, gemm: str) -> int:
-    """How the FP8 experts' grouped GEMMs run (``moe/quantized.py``'s ``GEMMS``): "dequantize" (the activations exact)
-    or "fp8" (the activations and gradients rounded to e4m3 per row and 128 inputs, FP8 tensor cores). Returns how many
-    weights it set."""
-    if gemm not in GEMMS:
-        raise InputError(f"quantized_gemm {gemm!r}: choose one of {', '.join(GEMMS)}")
-    found = [m for name, m in model.named_modules() if isinstance(m, QuantizedWeight) and m.fmt == "fp8" and ".experts." in name]
-    for weight in found:
-        weight.gemm = gemm
-    return len(found)
 
 
 def describe_base(model: nn.Module) -> str:

@@ -9,11 +9,7 @@ keeps its bf16 weights in:
 
 A GEMM dequantizes the weight to the compute dtype just before it runs (one element-wise pass, compiled on CUDA) and
 its backward dequantizes it again for the input's gradient: autograd keeps the quantized bytes, never a bf16 copy, so a
-layer's bf16 weights live only while its GEMM runs. The base is frozen: no weight gradient. On a GPU the FP8 experts'
-grouped GEMMs run in a Triton kernel instead, chosen by ``QuantizedWeight.gemm`` (``GEMMS``):
-- "dequantize": each weight tile scaled to bf16 in registers, the activations exact (``fp8_gemm_kernel.py``);
-- "fp8": the activations (and the gradients, in the backward) quantized to e4m3 per row and 128 inputs, the product on
-  FP8 tensor cores (``fp8_scaled_gemm_kernel.py``).
+layer's bf16 weights live only while its GEMM runs. The base is frozen: no weight gradient.
 """
 
 import torch
@@ -24,7 +20,6 @@ from megablocks_utils.moe.fused import fused
 from megablocks_utils.moe.weight_grad import grouped_mm
 
 FORMATS = ("fp8", "mxfp4")
-GEMMS = ("dequantize", "fp8")
 FP8_BLOCK = 128  # the released checkpoints' weight_block_size, both ways
 FP8_MAX = 448.0  # float8 e4m3's largest value
 MXFP4_GROUP = 32  # inputs sharing one scale
@@ -79,49 +74,24 @@ def dequantize(fmt: str, data: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     return (fused(fn) if data.is_cuda else fn)(data, scale, dtype)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> (float8 e4m3 [rows, in], fp32 scales [rows, ceil(in / 128)]): each row's 128-input group scaled
-    so its largest magnitude is 448 (value = e4m3 x scale): the activations of the "fp8" GEMM."""
-    rows, k = x.shape
-    groups = F.pad(x.float(), (0, -k % FP8_BLOCK)).view(rows, -1, FP8_BLOCK)
-    amax = groups.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(rows, -1)[:, :k], scale.view(rows, -1)
-
-
-def round_rows_fp8(x: torch.Tensor) -> torch.Tensor:
-    """x as the "fp8" GEMM reads it: ``quantize_rows_fp8``'s values, in x's dtype."""
-    rows, k = x.shape
-    q, scale = quantize_rows_fp8(x)
-    values = F.pad(q.float(), (0, -k % FP8_BLOCK)).view(rows, -1, FP8_BLOCK) * scale[..., None]
-    return values.view(rows, -1)[:, :k].to(x.dtype)
-
-
 def _product(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
     """x @ w_t: grouped over the row groups ending at ``offs`` (w_t [E, in, out]), or one matrix (w_t [in, out])."""
     return grouped_mm(x, w_t, offs) if offs is not None else x @ w_t
 
 
 def _in_kernel(x: torch.Tensor, fmt: str, offs: torch.Tensor | None) -> bool:
-    """Whether the grouped GEMM runs in one of our Triton kernels: FP8 experts on a GPU in bf16. Elsewhere (CPU, one
-    expert's or a linear layer's matrix, MXFP4) the weight is dequantized first."""
+    """Whether the grouped GEMM dequantizes inside our Triton kernel (``fp8_gemm_kernel.py``): FP8 experts on a GPU in
+    bf16. Elsewhere (CPU, one expert's or a linear layer's matrix, MXFP4) the weight is dequantized first."""
     return x.is_cuda and offs is not None and fmt == "fp8" and x.dtype == torch.bfloat16
 
 
 def _frozen_product(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None,
-                    transpose: bool, gemm: str) -> torch.Tensor:
+                    transpose: bool) -> torch.Tensor:
     """x @ W^T (``transpose``) or x @ W, for W [.., out, in] held quantized."""
-    if _in_kernel(x, fmt, offs):  # Triton: imported where a GPU runs it
-        if gemm == "fp8":
-            from megablocks_utils.moe.fp8_scaled_gemm_kernel import fp8_scaled_grouped_mm
-
-            return fp8_scaled_grouped_mm(x, data, scale, offs, transpose)
-        from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm
+    if _in_kernel(x, fmt, offs):
+        from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm  # Triton: imported where a GPU runs it
 
         return fp8_grouped_mm(x, data, scale, offs, transpose)
-    if gemm == "fp8" and fmt == "fp8":  # the kernel's arithmetic, emulated: the rows rounded to e4m3 per 128 inputs
-        x = round_rows_fp8(x)
     w = dequantize(fmt, data, scale, x.dtype)
     return _product(x, w.transpose(-2, -1) if transpose else w, offs)
 
@@ -131,30 +101,29 @@ class _FrozenMatmul(torch.autograd.Function):
     tensors are the quantized ones. Only the input's gradient (the weight is frozen)."""
 
     @staticmethod
-    def forward(ctx, x, data, scale, offs, fmt, gemm):
-        ctx.fmt, ctx.gemm = fmt, gemm
+    def forward(ctx, x, data, scale, offs, fmt):
+        ctx.fmt = fmt
         ctx.save_for_backward(data, scale, offs)
-        return _frozen_product(x, fmt, data, scale, offs, transpose=True, gemm=gemm)
+        return _frozen_product(x, fmt, data, scale, offs, transpose=True)
 
     @staticmethod
     def backward(ctx, grad):
         data, scale, offs = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
-        return _frozen_product(grad.contiguous(), ctx.fmt, data, scale, offs, transpose=False, gemm=ctx.gemm), None, None, None, None, None
+            return None, None, None, None, None
+        return _frozen_product(grad.contiguous(), ctx.fmt, data, scale, offs, transpose=False), None, None, None, None
 
 
-def frozen_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None = None,
-                  gemm: str = "dequantize") -> torch.Tensor:
+def frozen_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ W^T for a quantized W [out, in], or grouped (``offs``: the row groups' ends) over W [E, out, in]."""
-    return _FrozenMatmul.apply(x, data, scale, offs, fmt, gemm)
+    return _FrozenMatmul.apply(x, data, scale, offs, fmt)
 
 
 class QuantizedWeight(nn.Module):
     """One frozen weight held quantized: ``data`` and ``scale`` buffers in ``fmt`` (out of every state dict: a LoRA
     checkpoint holds what trains, the base comes from the model directory again). ``transposed``: the model keeps
     this weight as [..., in, out] (``shape`` and ``dequantized`` answer in the model's layout; the GEMMs read
-    [..., out, in]). ``gemm``: how the FP8 experts' grouped GEMMs run on a GPU (``GEMMS``)."""
+    [..., out, in])."""
 
     def __init__(self, fmt: str, data: torch.Tensor, scale: torch.Tensor, transposed: bool = False):
         super().__init__()
@@ -162,7 +131,6 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"quantized format {fmt!r}: choose one of {FORMATS}")
         self.fmt = fmt
         self.transposed = transposed
-        self.gemm = "dequantize"
         self.register_buffer("data", data, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
 
@@ -192,7 +160,7 @@ class QuantizedWeight(nn.Module):
         """x @ W^T: grouped over experts by ``offs``, one expert's matrix (``expert``), or the one matrix."""
         if expert is not None:
             return frozen_matmul(x, self.fmt, self.data[expert], self.scale[expert])
-        return frozen_matmul(x, self.fmt, self.data, self.scale, offs, self.gemm)
+        return frozen_matmul(x, self.fmt, self.data, self.scale, offs)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` and the model's layout."""

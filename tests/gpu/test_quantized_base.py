@@ -4,7 +4,6 @@ the backward, and no host sync in the experts at ep 1 (megablocks_utils/moe/quan
 
 import copy
 
-import pytest
 import torch
 
 from .launch import gpus, host_sync_error, run_on_gpus
@@ -57,13 +56,11 @@ def _models(loop: bool):
     return quantized, plain
 
 
-def equal_to_bf16_base(rank, world, loop, gemm="dequantize"):
+def equal_to_bf16_base(rank, world, loop):
     from megablocks_utils import causal_lm_loss_sum
     from megablocks_utils.model.lora import peft_tensors
-    from megablocks_utils.model.quantized_base import set_quantized_gemm
 
     quantized, plain = _models(loop)
-    set_quantized_gemm(quantized, gemm)
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 256), device="cuda")
     out = {}
     for name, model in (("fp8", quantized), ("bf16", plain)):
@@ -84,41 +81,7 @@ def test_fp8_base_equals_bf16_base_of_its_values_loop():
     assert result["keys"] > 0 and result["logits"] < 2e-2 and result["grads"] < 5e-2, result
 
 
-def test_fp8_gemm_base_near_bf16_base_of_its_values():
-    """``quantized_gemm fp8``: the activations and gradients rounded to e4m3 too, so near the bf16 base, not equal."""
-    result = run_on_gpus(equal_to_bf16_base, 1, False, "fp8")[0]
-    assert result["keys"] > 0 and result["logits"] < 5e-2 and result["grads"] < 2e-1, result
-
-
-def scaled_kernel_against_emulation(rank, world):
-    """The FP8 x FP8 kernel at Qwen3-30B-A3B's expert widths (128 experts, uneven rows, some empty) against its
-    arithmetic emulated in fp32 (``round_rows_fp8`` then each expert's dequantized weight), both ways."""
-    from megablocks_utils.moe.fp8_scaled_gemm_kernel import fp8_scaled_grouped_mm
-    from megablocks_utils.moe.quantized import dequantize, quantize_fp8, round_rows_fp8
-
-    g = torch.Generator("cuda").manual_seed(0)
-    counts = torch.randint(0, 64, (128,), generator=g, device="cuda")
-    counts[::17] = 0
-    offs = counts.cumsum(0).to(torch.int32)
-    rows, out = int(offs[-1]), {}
-    for n, k in ((1536, 2048), (2048, 768)):
-        data, scale = quantize_fp8(0.02 * torch.randn(128, n, k, generator=g, device="cuda"))
-        w = dequantize("fp8", data, scale, torch.float32)
-        for transpose in (True, False):
-            x = torch.randn(rows, k if transpose else n, generator=g, device="cuda", dtype=torch.bfloat16)
-            got = fp8_scaled_grouped_mm(x, data, scale, offs, transpose).float()
-            xr, bounds = round_rows_fp8(x).float(), [0, *offs.tolist()]
-            ref = torch.cat([xr[a:b] @ (w[e].T if transpose else w[e]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
-            out[f"{n}x{k}_{transpose}"] = rel(got, ref)
-    return out
-
-
-def test_fp8_scaled_kernel_equals_its_emulation():
-    result = run_on_gpus(scaled_kernel_against_emulation, 1)[0]
-    assert len(result) == 4 and max(result.values()) < 1e-2, result
-
-
-def saved_and_synced(rank, world, gemm="dequantize"):
+def saved_and_synced(rank, world):
     """What one MoE layer over the FP8 base saves for its backward (shapes and dtypes), and any host sync it makes."""
     from types import SimpleNamespace
 
@@ -130,8 +93,6 @@ def saved_and_synced(rank, world, gemm="dequantize"):
     experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16), requires_grad=False)
                           for s in shapes))
     experts.set_quantized_weights(*(quantize_weight(w.detach()) for w in (experts.gate_up_proj, experts.down_proj)))
-    for w in (experts.gate_up_proj, experts.down_proj):
-        w.gemm = gemm
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     top_w, top_i = torch.rand(4096, 2, device="cuda").softmax(-1), torch.randint(0, 8, (4096, 2), device="cuda")
     experts(x, top_i, top_w).float().square().sum().backward()  # warm-up: compiles
@@ -142,9 +103,8 @@ def saved_and_synced(rank, world, gemm="dequantize"):
     return {"saved": saved, "sync": sync, "finite": bool(torch.isfinite(y).all())}
 
 
-@pytest.mark.parametrize("gemm", ["dequantize", "fp8"])
-def test_fp8_experts_keep_no_dequantized_weight_and_make_no_host_sync(gemm):
-    result = run_on_gpus(saved_and_synced, 1, gemm)[0]
+def test_fp8_experts_keep_no_dequantized_weight_and_make_no_host_sync():
+    result = run_on_gpus(saved_and_synced, 1)[0]
     assert result["finite"] and result["sync"] == "", result["sync"]
     weights = [[8, 2048, 512], [8, 512, 1024]]
     assert [[s, "torch.bfloat16"] for s in weights if [s, "torch.bfloat16"] in result["saved"]] == [], result["saved"]
