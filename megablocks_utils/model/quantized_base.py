@@ -14,6 +14,7 @@ Where it runs: one GPU of sm89 or newer (float8), and CPU ranks (the tests). Sev
 not run it: refused there until they have (``QUANTIZED_BASE_RAN_ON_GPUS``, ``RAN_ON_GPUS``).
 """
 
+import json
 import os
 
 import torch
@@ -60,12 +61,19 @@ def check_quantize_base(quantize_base: str, *, finetuning: str, device_type: str
 
 
 def released_format(model_dir: str) -> str | None:
-    """How the checkpoint in ``model_dir`` is quantized as released (None: bf16, or no checkpoint there yet)."""
+    """How the checkpoint in ``model_dir`` is quantized as released: from its weights' names, or where there are no
+    weights (a config directory: the fit check) from config.json's ``quantization_config`` ("mxfp4" as gpt-oss, "fp8"
+    as Qwen3's and GLM-4.5's FP8 releases). None: bf16, or nothing there yet."""
     from megablocks_utils.model.loading import INDEX_NAME, SINGLE_NAME, checkpoint_quantization, weight_map
 
-    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in (INDEX_NAME, SINGLE_NAME)):
-        return None  # no weights there (yet): a config directory, or the default model before it is made
-    return checkpoint_quantization(list(weight_map(model_dir)))
+    if any(os.path.isfile(os.path.join(model_dir, name)) for name in (INDEX_NAME, SINGLE_NAME)):
+        return checkpoint_quantization(list(weight_map(model_dir)))
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        return None  # the default model before it is made
+    with open(config_path) as f:
+        method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+    return method if method in ("mxfp4", "fp8") else None
 
 
 def dense_linears(model: nn.Module) -> dict[str, nn.Linear]:

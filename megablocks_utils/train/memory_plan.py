@@ -106,6 +106,13 @@ class Plan:
     cuda_graphs: bool = False  # whole micro-steps as CUDA graphs (where no FSDP runs): their pool holds activations + logits again
 
 
+
+def frozen_formats(quantize_base: str, released: str | None) -> str:
+    """How a LoRA plan holds its frozen weights, in words."""
+    if quantize_base != "fp8":
+        return "bf16"
+    return "mxfp4 (experts, as released) and fp8 (linear layers)" if released == "mxfp4" else "fp8 (experts, linear layers)"
+
 @dataclass
 class MemoryEstimate:
     """Peak bytes per GPU, by kind (see the module docstring for how they add up)."""
@@ -146,7 +153,7 @@ class MemoryEstimate:
             f" x {p.max_length} tokens, grad accumulation {p.gradient_accumulation_steps}, activation checkpointing "
             f"{checkpointing_text(self)}" + {"model": ", FSDP units: the whole model", "none": ", dense weights whole on every rank (no FSDP)"}.get(p.fsdp_wrap, "")
             + (f", LoRA r {p.lora_r} ({self.adapters / 1e6:.1f} M adapter params train; the weights are frozen in "
-               f"{'fp8 (experts, linear layers)' if p.quantize_base == 'fp8' else 'bf16'})" if p.finetuning == "lora" else ""),
+               f"{frozen_formats(p.quantize_base, p.released)})" if p.finetuning == "lora" else ""),
         ]
         if not on_gpus:
             return "\n".join(lines)
