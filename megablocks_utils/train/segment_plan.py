@@ -46,7 +46,7 @@ def segment_blocker(*, device_type: str, world_size: int, ep_size: int, moe_back
     if activation_checkpointing != "none" or checkpoint_experts:
         return "activation checkpointing would replay a segment over the outputs its backward still needs"
     if lora:
-        return "LoRA under a graph is not yet verified on a GPU"
+        return "LoRA: segments have run full fine-tunes only (whole micro-steps under LoRA have run on one GPU)"
     if model is not None:
         other = sorted({type(layer).__name__ for layer in decoder_layers(model)} - SEGMENT_LAYERS)
         if other:
