@@ -100,6 +100,15 @@ def table(args) -> None:
             fn(*inputs).backward(grad)
         return step
 
+    def report(gemm: str, path: str, rows: int, flops: int, fn) -> None:
+        try:
+            seconds = timed(fn)
+        except Exception as e:  # a path that does not run here is reported, not fatal
+            print(json.dumps({"gemm": gemm, "path": path, "error": str(e)[:300]}), flush=True)
+            return
+        print(json.dumps({"gemm": gemm, "rows": rows, "path": path, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12}),
+              flush=True)
+
     if "mixtral" in args.shapes:  # the dense Linear at Mixtral's width, 16k rows, compiled
         rows = 16384
         for k, n in ((4096, 14336), (14336, 4096)):
@@ -109,14 +118,8 @@ def table(args) -> None:
                 linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
                 if path != "bf16":
                     linear = convert_to_float8_training(linear, config=Float8LinearConfig.from_recipe_name(path))
-                fn = fwd_bwd(torch.compile(linear), x, leaves=(linear.weight,))
-                try:
-                    seconds = timed(fn)
-                except Exception as e:
-                    print(json.dumps({"gemm": f"linear {k}x{n}", "path": path, "error": str(e)[:300]}), flush=True)
-                    continue
-                print(json.dumps({"gemm": f"linear {k}x{n}", "rows": rows, "path": path, "ms": seconds * 1e3,
-                                  "tflops": 3 * 2 * rows * n * k / seconds / 1e12}), flush=True)
+                report(f"linear {k}x{n}", path, rows, 3 * 2 * rows * n * k,
+                       fwd_bwd(torch.compile(linear), x, leaves=(linear.weight,)))
     for shape in args.shapes.split(","):
         experts, hidden, width, rows = SHAPES[shape]
         offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
@@ -124,18 +127,11 @@ def table(args) -> None:
             a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             b_t = (torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(-2, -1).requires_grad_()
             grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-            flops = 3 * 2 * rows * n * k
             paths = {"bf16_grouped_mm": fwd_bwd(lambda x, w: grouped_mm(x, w, offs), a, b_t),
                      "torchao_fp8_rowwise_grouped": fwd_bwd(lambda x, w: _to_fp8_rowwise_then_scaled_grouped_mm(
                          x, w, offs, pad_token_groups_for_grouped_mm=False), a, b_t)}
             for path, fn in paths.items():
-                try:
-                    seconds = timed(fn)
-                except Exception as e:
-                    print(json.dumps({"gemm": f"experts {shape} {name}", "path": path, "error": str(e)[:300]}), flush=True)
-                    continue
-                print(json.dumps({"gemm": f"experts {shape} {name}", "rows": rows, "path": path, "ms": seconds * 1e3,
-                                  "tflops": flops / seconds / 1e12}), flush=True)
+                report(f"experts {shape} {name}", path, rows, 3 * 2 * rows * n * k, fn)
 
 
 def main() -> None:

@@ -607,7 +607,7 @@ def test_lora_estimates_cover_the_measured_peaks(settings, allocated, reserved):
 ])
 def test_quantized_base_estimates_cover_the_measured_peaks(name, settings, allocated, reserved):
     """LoRA over a quantized base at full depth, one H200, seq 4096, 1 x 4, bf16 adapters (bench/lora_peft.py
-    --quantize_base fp8; bench/results/big_models_lora_h200_2026-12-02/big.jsonl): the estimate from config.json alone
+    --quantize_base fp8; bench/results/quantized_base_full_depth_h200_2026-12-02/records.md#bigjsonl): the estimate from config.json alone
     is not below what PyTorch allocated and within 10% of the reserved peak."""
     estimate = estimate_memory(os.path.join(CONFIGS, name), world_size=1, nproc_per_node=1, optim="adamw_bf16", max_length=4096,
                                per_device_train_batch_size=1, gradient_accumulation_steps=4, finetuning="lora",
