@@ -101,6 +101,10 @@ def _worker(rank, world_size, port, fn, args, errors):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Rank 0 holds the store every rank still talks to (a group of one rank is still registered there): a rank that
+        # finished first and left took it down under a slower one ("Connection reset by peer" in new_group, CI-like
+        # run of 2026-12-02). A failing rank skips this; start_processes then ends the ranks waiting here.
+        dist.barrier()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
