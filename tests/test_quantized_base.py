@@ -245,16 +245,19 @@ from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm
 from megablocks_utils.moe.quantized import dequantize, quantize_fp8
 g = torch.Generator().manual_seed(0)
 out = {}
-for n, k, counts, config in [(160, 200, [5, 0, 40, 19], (16, 32, 32, 4, 1)), (256, 128, [70, 3], (32, 64, 64, 4, 1))]:
+# the last field: row tiles per group of the launch order (1: column tiles first; 3 and 2 leave a smaller last group)
+for n, k, counts, configs in [(160, 200, [5, 0, 40, 19], [(16, 32, 32, 4, 1, 1), (16, 32, 32, 4, 1, 3)]),
+                              (256, 128, [70, 3], [(32, 64, 64, 4, 1, 2), (32, 64, 64, 4, 1, 4096)])]:
     data, scale = quantize_fp8(torch.randn(len(counts), n, k, generator=g))
     w = dequantize("fp8", data, scale, torch.float32)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     rows = int(offs[-1])
     for transpose in (True, False):
         x = torch.randn(rows + 3, k if transpose else n, generator=g)  # 3 padding rows past the last offset
-        got = fp8_grouped_mm(x, data, scale, offs, transpose, config)[:rows]
         ref = torch.nn.functional.grouped_mm(x[:rows], w.transpose(-2, -1) if transpose else w, offs=offs)
-        out[f"{n}x{k}_{transpose}"] = float((got - ref).abs().max() / ref.abs().max())
+        for config in configs:
+            got = fp8_grouped_mm(x, data, scale, offs, transpose, config)[:rows]
+            out[f"{n}x{k}_{transpose}_{config[-1]}"] = float((got - ref).abs().max() / ref.abs().max())
 print(json.dumps(out))
 """
 
@@ -262,11 +265,11 @@ print(json.dumps(out))
 def test_fp8_grouped_kernel_equals_dequantized_grouped_mm():
     """The GPU kernel (Triton's interpreter on CPU): each expert's rows times its dequantized weight, both ways (the
     forward's W^T and the input gradient's W), ragged blocks, an expert with no rows, tiles finding their expert from
-    the counts on the device."""
+    the counts on the device, each launch order (row tiles in groups of 1, 2, 3 and all)."""
     from conftest import run_in_triton_interpreter
 
     errors = run_in_triton_interpreter(KERNEL_CHECK)
-    assert len(errors) == 4 and max(errors.values()) < 1e-5, errors  # two shapes, two tilings
+    assert len(errors) == 8 and max(errors.values()) < 1e-5, errors  # two shapes, two ways, two tilings each
 
 
 # ----------------------------------------------------------------------------- checkpoints released quantized

@@ -11,7 +11,10 @@ times per layer and micro-step with ``checkpoint_experts``); at Qwen3-30B-A3B's 
 
 Tiles: each program takes one [BLOCK_M, BLOCK_C] tile of one expert's rows. The experts' row counts stay on the GPU:
 a program finds its expert from the running count of tiles per expert (``offs``), and the grid has room for the most
-tiles any routing can need (rows / BLOCK_M + experts); the programs past the real tiles return at once.
+row tiles any routing can need (rows / BLOCK_M + experts); the programs past the real tiles return at once. Programs
+run in groups of GROUP_M row tiles, each group through all its column tiles before the next: the programs running at
+once share their rows and weight columns in L2 (row tiles first, the whole weight streams from memory once per column
+tile; column tiles first, the rows once per column tile).
 """
 
 import torch
@@ -19,17 +22,24 @@ import triton
 import triton.language as tl
 
 SCALE_BLOCK = 128
-# (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one block row).
-# The fastest of 8 tilings at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes on one H200 (bench/fp8_gemm_bench.py,
-# 2026-12-02; the product computed transposed was slower in the whole step: bench/reports/fp8_base_h200_2026-12-02.md).
-CONFIG = (256, 128, 64, 8, 3)
+# (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages, GROUP_M): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one
+# block row). The fastest of 8 tilings at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes on one H200
+# (bench/fp8_gemm_bench.py, 2026-12-02; the product computed transposed was slower in the whole step:
+# bench/reports/fp8_base_h200_2026-12-02.md). GROUP_M 4096: row tiles first, the launch order those runs had.
+CONFIG = (256, 128, 64, 8, 3, 4096)
 
 
 @triton.jit
-def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, stride_xm, stride_xr, stride_we, stride_wr,
+def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, SLOTS, stride_xm, stride_xr, stride_we, stride_wr,
                         stride_wc, stride_se, stride_sr, stride_sc, stride_om, stride_oc, E_POW2: tl.constexpr,
-                        SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    slot = tl.program_id(0)
+                        SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(C, BLOCK_C)
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(SLOTS - first, GROUP_M)  # the last group may be smaller
+    slot = first + (pid % per_group) % size  # this program's row tile, counted over all experts' tiles
+    column_tile = (pid % per_group) // size
     # This program's expert and row tile, from the tiles each expert's rows need (no host sync).
     ids = tl.arange(0, E_POW2)
     ends = tl.load(offs_ptr + ids, mask=ids < E, other=0).to(tl.int64)
@@ -44,7 +54,7 @@ def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, stride_
     end = tl.sum(tl.where(mine, ends, 0))
     first_tile = tl.sum(tl.where(mine, done - tiles, 0))
     rm = start + (slot - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rc = column_tile * BLOCK_C + tl.arange(0, BLOCK_C)
     m_in, c_in = rm < end, rc < C
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_cols = s_ptr + expert.to(tl.int64) * stride_se + (rc // SCALE_BLOCK) * stride_sc
@@ -62,7 +72,7 @@ def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, stride_
 
 
 def fp8_grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, transpose: bool,
-                   config: tuple[int, int, int, int, int] = CONFIG) -> torch.Tensor:
+                   config: tuple[int, int, int, int, int, int] = CONFIG) -> torch.Tensor:
     """x [T, R] (rows grouped by expert, ``offs`` [E] each group's end) times each expert's dequantized FP8 weight:
     ``W_e^T`` (``transpose``: W [E, C, R], the forward) or ``W_e`` (W [E, R, C], the input's gradient); ``scale`` the
     weight's [E, ceil(out / 128), ceil(in / 128)] block scales. Rows past the last offset are left unwritten."""
@@ -71,17 +81,18 @@ def fp8_grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, off
     if x.shape[1] != r or offs.numel() != experts or scale.shape != (experts, -(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)):
         raise ValueError(f"fp8_grouped_mm: x {tuple(x.shape)}, weight {tuple(data.shape)}, scale {tuple(scale.shape)}, "
                          f"offs {tuple(offs.shape)} do not fit (transpose {transpose})")
-    block_m, block_c, block_r, warps, stages = config
+    block_m, block_c, block_r, warps, stages, group_m = config
     out = torch.empty(x.shape[0], c, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or c == 0:
         return out
     # W [E, n, k] and its scales as B [r, c]: the forward reads (k, n), the input's gradient (n, k)
     swr, swc = (data.stride(2), data.stride(1)) if transpose else (data.stride(1), data.stride(2))
     ssr, ssc = (scale.stride(2), scale.stride(1)) if transpose else (scale.stride(1), scale.stride(2))
-    grid = (triton.cdiv(x.shape[0], block_m) + experts, triton.cdiv(c, block_c))
+    slots = triton.cdiv(x.shape[0], block_m) + experts
+    grid = (slots * triton.cdiv(c, block_c),)
     _fp8_grouped_kernel[grid](
-        x, data, scale, out, offs, experts, r, c, x.stride(0), x.stride(1), data.stride(0), swr, swc, scale.stride(0), ssr, ssc,
+        x, data, scale, out, offs, experts, r, c, slots, x.stride(0), x.stride(1), data.stride(0), swr, swc, scale.stride(0), ssr, ssc,
         out.stride(0), out.stride(1), E_POW2=triton.next_power_of_2(experts), SCALE_BLOCK=SCALE_BLOCK,
-        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_R=block_r, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_R=block_r, GROUP_M=group_m, num_warps=warps, num_stages=stages,
     )
     return out
