@@ -1,8 +1,8 @@
 """FP8 GEMMs against torch's bf16 ones, one GPU. Prints one JSON line per measurement.
 
 Default: the experts' GEMMs over an FP8 base at a model's expert shapes, routing even, forward (x @ W^T) and the input's
-gradient (grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass then it, and the in-register dequantizing
-kernel (``moe/fp8_gemm_kernel.py``, each tiling).
+gradient (grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass (compiled, or our Triton kernel) then it,
+and the in-register dequantizing kernel (``moe/fp8_gemm_kernel.py``, each tiling).
 
 ``--table``: forward + backward (both gradients), quantization included, of torch's bf16 GEMMs against torchao's FP8
 training GEMMs: the experts' grouped GEMM (torchao's rowwise grouped) and a dense Linear (torchao's float8 rowwise and
@@ -49,7 +49,7 @@ def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
 
 def kernels(args) -> None:
     """The experts' GEMMs over an FP8 base: forward and the input's gradient, each path and tiling."""
-    from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm
+    from megablocks_utils.moe.fp8_gemm_kernel import dequantize_fp8_blocks, fp8_grouped_mm
     from megablocks_utils.moe.quantized import dequantize, quantize_fp8
     from megablocks_utils.moe.weight_grad import grouped_mm
 
@@ -68,14 +68,18 @@ def kernels(args) -> None:
                 runs = {"bf16_grouped_mm": lambda: grouped_mm(x, w.transpose(-2, -1) if transpose else w, offs),
                         "dequantize_then_grouped_mm": lambda: grouped_mm(
                             x, dequantize("fp8", data, scale, torch.bfloat16).transpose(-2, -1) if transpose
-                            else dequantize("fp8", data, scale, torch.bfloat16), offs)}
+                            else dequantize("fp8", data, scale, torch.bfloat16), offs),
+                        "dequantize_kernel_then_grouped_mm": lambda: grouped_mm(
+                            x, dequantize_fp8_blocks(data, scale, torch.bfloat16).transpose(-2, -1) if transpose
+                            else dequantize_fp8_blocks(data, scale, torch.bfloat16), offs),
+                        "dequantize_kernel_alone": lambda: dequantize_fp8_blocks(data, scale, torch.bfloat16)}
                 ref = grouped_mm(x.float(), (ref_w.transpose(-2, -1) if transpose else ref_w).float(), offs)
                 for config in configs:
                     runs[f"kernel{list(config)}"] = lambda c=config: fp8_grouped_mm(x, data, scale, offs, transpose, c)
                 for path, fn in runs.items():
                     try:
                         seconds = timed(fn)
-                        err = relative_errors(fn(), ref) if path != "bf16_grouped_mm" else {}
+                        err = relative_errors(fn(), ref) if path not in ("bf16_grouped_mm", "dequantize_kernel_alone") else {}
                     except Exception as e:  # a tiling that does not compile (shared memory) is reported, not fatal
                         print(json.dumps({"shape": shape, "gemm": name, "way": way, "path": path, "error": str(e)[:300]}), flush=True)
                         continue

@@ -272,6 +272,29 @@ def test_fp8_grouped_kernel_equals_dequantized_grouped_mm():
     assert len(errors) == 8 and max(errors.values()) < 1e-5, errors  # two shapes, two ways, two tilings each
 
 
+DEQUANTIZE_KERNEL_CHECK = """
+import json, torch
+from megablocks_utils.moe.fp8_gemm_kernel import dequantize_fp8_blocks
+from megablocks_utils.moe.quantized import dequantize, quantize_fp8
+g = torch.Generator().manual_seed(0)
+out = {}
+for shape in [(3, 300, 260), (2, 256, 384), (1, 64, 32)]:
+    data, scale = quantize_fp8(torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g))
+    got = dequantize_fp8_blocks(data, scale, torch.float32)
+    out[str(shape)] = float((got - dequantize("fp8", data, scale, torch.float32)).abs().max())
+print(json.dumps(out))
+"""
+
+
+def test_fp8_dequantize_kernel_equals_the_dequantized_weight():
+    """The GPU kernel of ``gemm="dequantize"`` (Triton's interpreter on CPU): every 128 x 128 block, ragged at the edges,
+    the same values as ``dequantize``."""
+    from conftest import run_in_triton_interpreter
+
+    errors = run_in_triton_interpreter(DEQUANTIZE_KERNEL_CHECK)
+    assert len(errors) == 3 and max(errors.values()) == 0.0, errors
+
+
 # ----------------------------------------------------------------------------- checkpoints released quantized
 def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A released FP8 weight as the reference writes it: float8 data, one scale per 128 x 128 block (ragged at the

@@ -22,7 +22,7 @@ from torch import nn
 
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import decoder_layers, spec_for
-from megablocks_utils.moe.quantized import QuantizedLinear, QuantizedWeight
+from megablocks_utils.moe.quantized import EXPERT_GEMMS, QuantizedLinear, QuantizedWeight
 
 QUANTIZE_BASE = ("none", "fp8")
 # The most GPUs a run with a quantized base has run on (tests/gpu, one H200). Raise it where tests/gpu passed above it.
@@ -129,6 +129,17 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
             setattr(model.get_submodule(parent) if parent else model, leaf, plain)
         elif isinstance(module, ExpertParallelExperts):
             module.dequantize_weights(dtype)
+
+
+def set_expert_gemm(model: nn.Module, gemm: str) -> int:
+    """How the FP8 experts' grouped GEMMs run on a GPU (``moe/quantized.py``'s ``EXPERT_GEMMS``); returns how many
+    weights it set. For measuring: the scripts keep "kernel"."""
+    if gemm not in EXPERT_GEMMS:
+        raise InputError(f"expert gemm {gemm!r}: choose one of {', '.join(EXPERT_GEMMS)}")
+    found = [m for name, m in model.named_modules() if isinstance(m, QuantizedWeight) and m.fmt == "fp8" and ".experts." in name]
+    for weight in found:
+        weight.gemm = gemm
+    return len(found)
 
 
 def describe_base(model: nn.Module) -> str:

@@ -9,7 +9,11 @@ keeps its bf16 weights in:
 
 A GEMM dequantizes the weight to the compute dtype just before it runs (one element-wise pass, compiled on CUDA) and
 its backward dequantizes it again for the input's gradient: autograd keeps the quantized bytes, never a bf16 copy, so a
-layer's bf16 weights live only while its GEMM runs. The base is frozen: no weight gradient.
+layer's bf16 weights live only while its GEMM runs. The base is frozen: no weight gradient. On a GPU the FP8 experts'
+grouped GEMMs take one of two ways (``QuantizedWeight.gemm``, ``EXPERT_GEMMS``, both in ``fp8_gemm_kernel.py``):
+- "kernel" (the default): each weight tile scaled to bf16 in registers inside our Triton GEMM, no bf16 copy written;
+- "dequantize": one pass writes the layer's bf16 weight, then torch's bf16 grouped GEMM (the copy lives while it runs).
+  Not yet chosen by the scripts: it has run in the interpreter only (``bench/lora_peft.py --fp8_expert_gemm`` measures it).
 """
 
 import torch
@@ -20,6 +24,7 @@ from megablocks_utils.moe.fused import fused
 from megablocks_utils.moe.weight_grad import grouped_mm
 
 FORMATS = ("fp8", "mxfp4")
+EXPERT_GEMMS = ("kernel", "dequantize")
 FP8_BLOCK = 128  # the released checkpoints' weight_block_size, both ways
 FP8_MAX = 448.0  # float8 e4m3's largest value
 MXFP4_GROUP = 32  # inputs sharing one scale
@@ -86,11 +91,14 @@ def _in_kernel(x: torch.Tensor, fmt: str, offs: torch.Tensor | None) -> bool:
 
 
 def _frozen_product(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None,
-                    transpose: bool) -> torch.Tensor:
+                    transpose: bool, gemm: str = "kernel") -> torch.Tensor:
     """x @ W^T (``transpose``) or x @ W, for W [.., out, in] held quantized."""
-    if _in_kernel(x, fmt, offs):
-        from megablocks_utils.moe.fp8_gemm_kernel import fp8_grouped_mm  # Triton: imported where a GPU runs it
+    if _in_kernel(x, fmt, offs):  # Triton: imported where a GPU runs it
+        from megablocks_utils.moe.fp8_gemm_kernel import dequantize_fp8_blocks, fp8_grouped_mm
 
+        if gemm == "dequantize":
+            w = dequantize_fp8_blocks(data, scale, x.dtype)
+            return grouped_mm(x, w.transpose(-2, -1) if transpose else w, offs)
         return fp8_grouped_mm(x, data, scale, offs, transpose)
     w = dequantize(fmt, data, scale, x.dtype)
     return _product(x, w.transpose(-2, -1) if transpose else w, offs)
@@ -101,22 +109,24 @@ class _FrozenMatmul(torch.autograd.Function):
     tensors are the quantized ones. Only the input's gradient (the weight is frozen)."""
 
     @staticmethod
-    def forward(ctx, x, data, scale, offs, fmt):
-        ctx.fmt = fmt
+    def forward(ctx, x, data, scale, offs, fmt, gemm):
+        ctx.fmt, ctx.gemm = fmt, gemm
         ctx.save_for_backward(data, scale, offs)
-        return _frozen_product(x, fmt, data, scale, offs, transpose=True)
+        return _frozen_product(x, fmt, data, scale, offs, transpose=True, gemm=gemm)
 
     @staticmethod
     def backward(ctx, grad):
         data, scale, offs = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        return _frozen_product(grad.contiguous(), ctx.fmt, data, scale, offs, transpose=False), None, None, None, None
+            return (None,) * 6
+        return _frozen_product(grad.contiguous(), ctx.fmt, data, scale, offs, transpose=False, gemm=ctx.gemm), *(None,) * 5
 
 
-def frozen_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ W^T for a quantized W [out, in], or grouped (``offs``: the row groups' ends) over W [E, out, in]."""
-    return _FrozenMatmul.apply(x, data, scale, offs, fmt)
+def frozen_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None = None,
+                  gemm: str = "kernel") -> torch.Tensor:
+    """x [rows, in] @ W^T for a quantized W [out, in], or grouped (``offs``: the row groups' ends) over W [E, out, in];
+    ``gemm``: how FP8 experts' grouped GEMMs run on a GPU (``EXPERT_GEMMS``)."""
+    return _FrozenMatmul.apply(x, data, scale, offs, fmt, gemm)
 
 
 class QuantizedWeight(nn.Module):
@@ -131,6 +141,7 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"quantized format {fmt!r}: choose one of {FORMATS}")
         self.fmt = fmt
         self.transposed = transposed
+        self.gemm = "kernel"  # how the grouped GEMMs run on a GPU: EXPERT_GEMMS
         self.register_buffer("data", data, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
 
@@ -160,7 +171,7 @@ class QuantizedWeight(nn.Module):
         """x @ W^T: grouped over experts by ``offs``, one expert's matrix (``expert``), or the one matrix."""
         if expert is not None:
             return frozen_matmul(x, self.fmt, self.data[expert], self.scale[expert])
-        return frozen_matmul(x, self.fmt, self.data, self.scale, offs)
+        return frozen_matmul(x, self.fmt, self.data, self.scale, offs, self.gemm)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` and the model's layout."""

@@ -4,6 +4,7 @@ the backward, and no host sync in the experts at ep 1 (megablocks_utils/moe/quan
 
 import copy
 
+import pytest
 import torch
 
 from .launch import gpus, host_sync_error, run_on_gpus
@@ -56,11 +57,13 @@ def _models(loop: bool):
     return quantized, plain
 
 
-def equal_to_bf16_base(rank, world, loop):
+def equal_to_bf16_base(rank, world, loop, gemm="kernel"):
     from megablocks_utils import causal_lm_loss_sum
     from megablocks_utils.model.lora import peft_tensors
+    from megablocks_utils.model.quantized_base import set_expert_gemm
 
     quantized, plain = _models(loop)
+    assert set_expert_gemm(quantized, gemm) > 0
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 256), device="cuda")
     out = {}
     for name, model in (("fp8", quantized), ("bf16", plain)):
@@ -71,8 +74,9 @@ def equal_to_bf16_base(rank, world, loop):
     return {"logits": rel(lq, lp), "grads": max(rel(gq[k], gp[k]) for k in gp), "keys": len(gp)}
 
 
-def test_fp8_base_equals_bf16_base_of_its_values_grouped():
-    result = run_on_gpus(equal_to_bf16_base, 1, False)[0]
+@pytest.mark.parametrize("gemm", ["kernel", "dequantize"])
+def test_fp8_base_equals_bf16_base_of_its_values_grouped(gemm):
+    result = run_on_gpus(equal_to_bf16_base, 1, False, gemm)[0]
     assert result["keys"] > 0 and result["logits"] < 2e-2 and result["grads"] < 5e-2, result
 
 
@@ -81,7 +85,7 @@ def test_fp8_base_equals_bf16_base_of_its_values_loop():
     assert result["keys"] > 0 and result["logits"] < 2e-2 and result["grads"] < 5e-2, result
 
 
-def saved_and_synced(rank, world):
+def saved_and_synced(rank, world, gemm="kernel"):
     """What one MoE layer over the FP8 base saves for its backward (shapes and dtypes), and any host sync it makes."""
     from types import SimpleNamespace
 
@@ -93,6 +97,7 @@ def saved_and_synced(rank, world):
     experts.set_weights(*(torch.nn.Parameter(0.05 * torch.randn(s, device="cuda", dtype=torch.bfloat16), requires_grad=False)
                           for s in shapes))
     experts.set_quantized_weights(*(quantize_weight(w.detach()) for w in (experts.gate_up_proj, experts.down_proj)))
+    experts.gate_up_proj.gemm = experts.down_proj.gemm = gemm
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     top_w, top_i = torch.rand(4096, 2, device="cuda").softmax(-1), torch.randint(0, 8, (4096, 2), device="cuda")
     experts(x, top_i, top_w).float().square().sum().backward()  # warm-up: compiles
@@ -103,8 +108,9 @@ def saved_and_synced(rank, world):
     return {"saved": saved, "sync": sync, "finite": bool(torch.isfinite(y).all())}
 
 
-def test_fp8_experts_keep_no_dequantized_weight_and_make_no_host_sync():
-    result = run_on_gpus(saved_and_synced, 1)[0]
+@pytest.mark.parametrize("gemm", ["kernel", "dequantize"])
+def test_fp8_experts_keep_no_dequantized_weight_and_make_no_host_sync(gemm):
+    result = run_on_gpus(saved_and_synced, 1, gemm)[0]
     assert result["finite"] and result["sync"] == "", result["sync"]
     weights = [[8, 2048, 512], [8, 512, 1024]]
     assert [[s, "torch.bfloat16"] for s in weights if [s, "torch.bfloat16"] in result["saved"]] == [], result["saved"]
