@@ -26,10 +26,10 @@ import triton.language as tl
 
 SCALE_BLOCK = 128
 # (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages, GROUP_M): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one
-# block row). The fastest of 8 tilings at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes on one H200
-# (bench/fp8_gemm_bench.py, 2026-12-02; the product computed transposed was slower in the whole step:
-# bench/reports/fp8_base_h200_2026-12-02.md). GROUP_M 4096: row tiles first, the launch order those runs had.
-CONFIG = (256, 128, 64, 8, 3, 4096)
+# block row). The fastest of 12 tilings and launch orders at Qwen3-30B-A3B's expert shape on one H200, forward and the
+# input's gradient of both GEMMs: 1.855 ms against 2.084 for the earlier 256 x 128 x 64 with row tiles first
+# (bench/fp8_gemm_bench.py --configs all, 2026-12-02; bench/reports/quantized_base_full_depth_h200_2026-12-02.md).
+CONFIG = (128, 128, 64, 4, 4, 1)
 
 
 @triton.jit
