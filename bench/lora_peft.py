@@ -152,9 +152,9 @@ def main() -> None:
                    help="ours: bf16 adapters trained by adamw_bf16 (the script's --optim adamw_bf16) instead of fp32 + AdamW")
     p.add_argument("--quantize_base", choices=["none", "fp8"], default="none",
                    help="ours: the frozen experts and linear layers held in FP8 (the script's --quantize_base)")
-    p.add_argument("--fp8_expert_gemm", choices=["kernel", "dequantize"], default="kernel",
-                   help="ours, FP8 experts: their grouped GEMMs scale the weight tiles in our kernel (the library's way), or "
-                        "a pass writes each layer's bf16 weight before torch's grouped GEMM (moe/quantized.py)")
+    p.add_argument("--fp8_expert_gemm", choices=["auto", "kernel", "dequantize"], default="auto",
+                   help="ours, FP8 experts: their grouped GEMMs scale the weight tiles in our kernel, or a pass writes each "
+                        "layer's bf16 weight before torch's grouped GEMM; auto (the library's): by rows per expert (moe/quantized.py)")
     p.add_argument("--release", choices=["bf16", "fp8", "mxfp4"], default=None,
                    help="ours: random weights read layer by layer as from a checkpoint released so (bench/random_checkpoint.py: "
                         "models whose bf16 weights do not fit the GPU); default: transformers' model built in memory")
@@ -272,7 +272,7 @@ def main() -> None:
             keys = {k: tuple(v.shape) for k, v in peft_tensors(model).items()}
             load_peft_tensors(model, seeded_adapters(keys))
             record.update(base=describe_base(model) or "bf16")
-            if args.fp8_expert_gemm != "kernel":
+            if args.fp8_expert_gemm != "auto":
                 record.update(fp8_expert_gemm=args.fp8_expert_gemm, fp8_expert_gemm_weights=set_expert_gemm(model, args.fp8_expert_gemm))
         else:
             model = get_peft_model(model, peft_config(lora, find_targets(model, lora.targets), "", inference_mode=False))

@@ -480,6 +480,33 @@ def test_fit_check_counts_the_fp8_base_and_offers_it():
     assert "--quantize_base fp8 (" in fit_error(bf16, gpu) and fit_error(fp8, gpu) is None
 
 
+def test_expert_gemms_dequantize_first_from_512_rows_per_expert():
+    """auto: torch's bf16 grouped GEMM after a pass writing the weight where the experts have 512 rows each on average
+    (Mixtral-8x7B's 4,096 tokens x top-2 over 8 experts: 1,024), the in-register kernel below (Qwen3-30B-A3B's x top-8
+    over 128: 256); kernel and dequantize as asked; a name not known is refused."""
+    from megablocks_utils.moe.quantized import dequantizes_first
+
+    assert dequantizes_first("auto", 4096 * 2, 8) and not dequantizes_first("auto", 4096 * 8, 128)
+    assert dequantizes_first("auto", 512 * 8, 8) and not dequantizes_first("auto", 512 * 8 - 1, 8)
+    assert dequantizes_first("dequantize", 1, 128) and not dequantizes_first("kernel", 10**6, 8)
+    with pytest.raises(ValueError, match="choose one of"):
+        dequantizes_first("fast", 1, 1)
+
+
+def test_fit_check_counts_the_bf16_copy_where_the_experts_dequantize_first():
+    """Where auto writes the experts' bf16 weight before their GEMM (rows per expert >= 512), the plan holds the
+    largest one, a layer's gate and up projections (2 x 14336 x 4096 x 8 experts in bf16 at Mixtral-8x7B's width); at
+    fewer rows per expert, or over a bf16 base, none."""
+    from megablocks_utils.train.memory_plan import estimate_memory
+
+    path = os.path.join(os.path.dirname(__file__), "configs", "mixtral-8x7b")
+    plan = dict(PLAN, quantize_base="fp8")
+    short, long = (estimate_memory(path, **dict(plan, max_length=n)) for n in (2048, 4096))  # 512 and 1,024 rows per expert
+    shorter = estimate_memory(path, **dict(plan, max_length=2040))  # 510
+    assert short.params - shorter.params == long.params - shorter.params == 2 * 14336 * 4096 * 8 * 2
+    assert estimate_memory(path, **dict(plan, quantize_base="none")).params == estimate_memory(path, **dict(plan, quantize_base="none", max_length=2040)).params
+
+
 def test_fit_check_counts_released_mxfp4_experts_at_their_bytes(tmp_path):
     """A checkpoint whose experts are released in MXFP4 is planned at their bytes (half a byte a weight and a byte per 32),
     read from the checkpoint's tensors themselves: the difference from planning them in FP8."""

@@ -133,7 +133,7 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
 
 def set_expert_gemm(model: nn.Module, gemm: str) -> int:
     """How the FP8 experts' grouped GEMMs run on a GPU (``moe/quantized.py``'s ``EXPERT_GEMMS``); returns how many
-    weights it set. For measuring: the scripts keep "kernel"."""
+    weights it set. For measuring: the scripts keep "auto"."""
     if gemm not in EXPERT_GEMMS:
         raise InputError(f"expert gemm {gemm!r}: choose one of {', '.join(EXPERT_GEMMS)}")
     found = [m for name, m in model.named_modules() if isinstance(m, QuantizedWeight) and m.fmt == "fp8" and ".experts." in name]

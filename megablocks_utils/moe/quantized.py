@@ -11,9 +11,11 @@ A GEMM dequantizes the weight to the compute dtype just before it runs (one elem
 its backward dequantizes it again for the input's gradient: autograd keeps the quantized bytes, never a bf16 copy, so a
 layer's bf16 weights live only while its GEMM runs. The base is frozen: no weight gradient. On a GPU the FP8 experts'
 grouped GEMMs take one of two ways (``QuantizedWeight.gemm``, ``EXPERT_GEMMS``, both in ``fp8_gemm_kernel.py``):
-- "kernel" (the default): each weight tile scaled to bf16 in registers inside our Triton GEMM, no bf16 copy written;
-- "dequantize": one pass writes the layer's bf16 weight, then torch's bf16 grouped GEMM (the copy lives while it runs).
-  Not yet chosen by the scripts: it has run in the interpreter only (``bench/lora_peft.py --fp8_expert_gemm`` measures it).
+- "kernel": each weight tile scaled to bf16 in registers inside our Triton GEMM, no bf16 copy written;
+- "dequantize": one pass writes the layer's bf16 weight, then torch's bf16 grouped GEMM (the copy lives while it runs);
+- "auto" (what the scripts run): "dequantize" where the experts have ``DEQUANTIZE_FIRST_ROWS`` rows each on average,
+  "kernel" below. The pass costs the weight's bytes once per GEMM, whatever the rows; the kernel costs about 0.8x a bf16
+  GEMM's time more, per row. The fit check counts the copy where "auto" makes it (``memory_counts.frozen_bytes``).
 """
 
 import torch
@@ -24,7 +26,10 @@ from megablocks_utils.moe.fused import fused
 from megablocks_utils.moe.weight_grad import grouped_mm
 
 FORMATS = ("fp8", "mxfp4")
-EXPERT_GEMMS = ("kernel", "dequantize")
+EXPERT_GEMMS = ("auto", "kernel", "dequantize")
+# One H200, 2026-12-02 (bench/fp8_gemm_bench.py; forward and input gradient of both GEMMs): Qwen3-30B-A3B's 256 rows per
+# expert 1.86 ms in the kernel against 2.07 dequantized first; Mixtral-8x7B's 1,024 rows 15.7 against 10.0.
+DEQUANTIZE_FIRST_ROWS = 512
 FP8_BLOCK = 128  # the released checkpoints' weight_block_size, both ways
 FP8_MAX = 448.0  # float8 e4m3's largest value
 MXFP4_GROUP = 32  # inputs sharing one scale
@@ -90,13 +95,21 @@ def _in_kernel(x: torch.Tensor, fmt: str, offs: torch.Tensor | None) -> bool:
     return x.is_cuda and offs is not None and fmt == "fp8" and x.dtype == torch.bfloat16
 
 
+def dequantizes_first(gemm: str, rows: float, experts: float) -> bool:
+    """Whether FP8 experts' grouped GEMM over ``rows`` rows (all ``experts``) writes the bf16 weight first (``gemm``: one
+    of ``EXPERT_GEMMS``)."""
+    if gemm not in EXPERT_GEMMS:
+        raise ValueError(f"expert gemm {gemm!r}: choose one of {EXPERT_GEMMS}")
+    return gemm == "dequantize" or (gemm == "auto" and rows >= DEQUANTIZE_FIRST_ROWS * experts)
+
+
 def _frozen_product(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None,
-                    transpose: bool, gemm: str = "kernel") -> torch.Tensor:
+                    transpose: bool, gemm: str = "auto") -> torch.Tensor:
     """x @ W^T (``transpose``) or x @ W, for W [.., out, in] held quantized."""
     if _in_kernel(x, fmt, offs):  # Triton: imported where a GPU runs it
         from megablocks_utils.moe.fp8_gemm_kernel import dequantize_fp8_blocks, fp8_grouped_mm
 
-        if gemm == "dequantize":
+        if dequantizes_first(gemm, x.shape[0], data.shape[0]):
             w = dequantize_fp8_blocks(data, scale, x.dtype)
             return grouped_mm(x, w.transpose(-2, -1) if transpose else w, offs)
         return fp8_grouped_mm(x, data, scale, offs, transpose)
@@ -123,7 +136,7 @@ class _FrozenMatmul(torch.autograd.Function):
 
 
 def frozen_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor | None = None,
-                  gemm: str = "kernel") -> torch.Tensor:
+                  gemm: str = "auto") -> torch.Tensor:
     """x [rows, in] @ W^T for a quantized W [out, in], or grouped (``offs``: the row groups' ends) over W [E, out, in];
     ``gemm``: how FP8 experts' grouped GEMMs run on a GPU (``EXPERT_GEMMS``)."""
     return _FrozenMatmul.apply(x, data, scale, offs, fmt, gemm)
@@ -141,7 +154,7 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"quantized format {fmt!r}: choose one of {FORMATS}")
         self.fmt = fmt
         self.transposed = transposed
-        self.gemm = "kernel"  # how the grouped GEMMs run on a GPU: EXPERT_GEMMS
+        self.gemm = "auto"  # how the grouped GEMMs run on a GPU: EXPERT_GEMMS
         self.register_buffer("data", data, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
 

@@ -9,6 +9,7 @@ import torch
 
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import spec_for
+from megablocks_utils.moe.quantized import dequantizes_first
 
 GiB = 2**30
 
@@ -194,15 +195,20 @@ MXFP4_BYTES = 0.5 + 1 / 32  # an e2m1 weight and its share of its 32 inputs' exp
 
 
 def frozen_bytes(counts: ParamCounts, quantize_base: str, dense_shards: int, expert_shards: int, released: str | None = None,
-                  expert_biases: int = 0) -> float:
+                  expert_biases: int = 0, routed_rows: float = 0.0) -> float:
     """LoRA's frozen weights on one GPU: in the compute dtype, or with ``quantize_base`` fp8 the routed experts and the
     decoder layers' linear layers in FP8 (embeddings, lm_head, routers and norms stay in the compute dtype), experts
-    released in MXFP4 (``released``) in MXFP4; their biases (``expert_biases``, gpt-oss's) stay in the compute dtype."""
+    released in MXFP4 (``released``) in MXFP4; their biases (``expert_biases``, gpt-oss's) stay in the compute dtype.
+    FP8 experts over ``routed_rows`` rows a micro-step: where their GEMMs write the bf16 weight first
+    (``quantized.dequantizes_first``), the largest one (gate and up: two thirds of a layer's) while its GEMM runs."""
     if quantize_base == "none":
         return COMPUTE_BYTES * (counts.dense / dense_shards + counts.expert / expert_shards)
     if quantize_base != "fp8":
         raise InputError(f"quantize_base={quantize_base!r} is unknown; choose none or fp8")
     kept = counts.root + counts.moe_layers * counts.num_experts * counts.hidden  # embeddings, lm_head, routers
     experts = MXFP4_BYTES if released == "mxfp4" else FP8_BYTES
+    copy = 0.0
+    if released != "mxfp4" and dequantizes_first("auto", routed_rows, counts.num_experts / expert_shards):
+        copy = COMPUTE_BYTES * 2 / 3 * (counts.expert_layer - expert_biases / max(counts.moe_layers, 1)) / expert_shards
     return (COMPUTE_BYTES * kept / dense_shards + FP8_BYTES * (counts.dense - kept) / dense_shards
-            + (experts * (counts.expert - expert_biases) + COMPUTE_BYTES * expert_biases) / expert_shards)
+            + (experts * (counts.expert - expert_biases) + COMPUTE_BYTES * expert_biases) / expert_shards + copy)

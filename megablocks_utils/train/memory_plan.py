@@ -303,8 +303,8 @@ def estimate_plan(config, plan: Plan) -> MemoryEstimate:
     trained = counts if lora is None else lora
     local_params = trained.dense / dense_shards + trained.expert / expert_shards
     expert_biases = counts.moe_layers * s.num_experts * (2 * s.expert_inter + s.hidden) if s.expert_bias else 0
-    frozen = 0.0 if lora is None else frozen_bytes(counts, plan.quantize_base, dense_shards, expert_shards, plan.released,
-                                                    expert_biases)
+    frozen = 0.0 if lora is None else frozen_bytes(counts, plan.quantize_base, dense_shards, expert_shards, plan.released, expert_biases,
+                                                    routed_rows=plan.per_device_train_batch_size * plan.max_length * counts.top_k)
 
     local_experts_layer = counts.expert_layer / ep  # this rank's experts of one layer, unsharded
     trained_experts_layer = trained.expert_layer / ep
