@@ -5,19 +5,17 @@ element times its 128 x 128 block's scale, read through strides: the forward rea
 input's gradient ``W_e`` itself. Each tile of B is loaded in FP8, scaled to the compute dtype in registers (the same
 values a separate dequantization would write) and fed to the tensor cores: no bf16 copy of the weights is ever written.
 
-Why: a separate dequantization pass writes and reads back a bf16 copy of every layer's experts for each GEMM (three
-times per layer and micro-step with ``checkpoint_experts``); at Qwen3-30B-A3B's shape that made a 48-layer LoRA step
-2.1x slower than over a bf16 base.
-
-``dequantize_fp8_blocks`` is the other way (``QuantizedWeight.gemm`` "dequantize"): one pass writes the bf16 weight,
-at the memory's speed, and torch's bf16 grouped GEMM reads it; the copy lives while its GEMM runs.
+Why: a pass writing the bf16 weight first costs the weight's bytes at every GEMM, whatever the rows; where the experts
+have few rows each (Qwen3-30B-A3B's 256 at 4,096 tokens) that costs more than this kernel's slower tiles.
+``dequantize_fp8_blocks`` is that pass, at the memory's speed, for torch's bf16 grouped GEMM to read (the "dequantize"
+way, which ``quantized.py`` takes from 512 rows per expert); its copy lives while its GEMM runs.
 
 Tiles: each program takes one [BLOCK_M, BLOCK_C] tile of one expert's rows. The experts' row counts stay on the GPU:
 a program finds its expert from the running count of tiles per expert (``offs``), and the grid has room for the most
 row tiles any routing can need (rows / BLOCK_M + experts); the programs past the real tiles return at once. Programs
-run in groups of GROUP_M row tiles, each group through all its column tiles before the next: the programs running at
-once share their rows and weight columns in L2 (row tiles first, the whole weight streams from memory once per column
-tile; column tiles first, the rows once per column tile).
+run in groups of GROUP_M row tiles, each group through all its column tiles before the next: with GROUP_M 1 a row
+tile's column tiles run together and share its rows in L2, where row tiles first read them from memory once per
+column tile.
 """
 
 import torch
@@ -28,7 +26,7 @@ SCALE_BLOCK = 128
 # (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages, GROUP_M): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one
 # block row). The fastest of 12 tilings and launch orders at Qwen3-30B-A3B's expert shape on one H200, forward and the
 # input's gradient of both GEMMs: 1.855 ms against 2.084 for the earlier 256 x 128 x 64 with row tiles first
-# (bench/fp8_gemm_bench.py --configs all, 2026-12-02; bench/reports/quantized_base_full_depth_h200_2026-12-02.md).
+# (bench/fp8_gemm_bench.py --configs all, 2026-12-02; bench/reports/lora_fp8_base_speed_quality_h200_2026-12-02.md).
 CONFIG = (128, 128, 64, 4, 4, 1)
 
 
