@@ -340,7 +340,7 @@ with stop_together():
     lora_targets = add_lora(model, mesh, lora, param_dtype(optim), seed) if lora else None
     exchange_note = use_static_exchange(model, ep_capacity_factor)  # "" when off (megablocks_utils/moe/exchange_mode.py)
 if master and quantize_base != "none":
-    print(describe_base(model), flush=True)
+    print(describe_base(model, max_length * per_device_train_batch_size), flush=True)
 if master and (factor_note or exchange_note):
     print("\n".join(line for line in (factor_note, exchange_note) if line), flush=True)
 config = model.config

@@ -271,7 +271,7 @@ def main() -> None:
                         checkpoint_experts=args.checkpoint_experts, compile_dense=args.compile_dense, device=device)
             keys = {k: tuple(v.shape) for k, v in peft_tensors(model).items()}
             load_peft_tensors(model, seeded_adapters(keys))
-            record.update(base=describe_base(model) or "bf16")
+            record.update(base=describe_base(model, args.micro_batch * args.seq) or "bf16")
             if args.fp8_expert_gemm != "auto":
                 record.update(fp8_expert_gemm=args.fp8_expert_gemm, fp8_expert_gemm_weights=set_expert_gemm(model, args.fp8_expert_gemm))
         else:

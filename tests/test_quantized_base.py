@@ -493,6 +493,32 @@ def test_expert_gemms_dequantize_first_from_512_rows_per_expert():
         dequantizes_first("fast", 1, 1)
 
 
+def test_run_start_names_the_experts_gemm_way(monkeypatch):
+    """The run's line about the frozen base says, on a GPU, which way the FP8 experts' GEMMs take at the micro-step's
+    rows per expert (Mixtral's top-2 over 8 experts: 4,096 tokens give 1,024 rows each, 1,024 tokens 256); CPU ranks
+    (which always dequantize first) get no such clause."""
+    from types import SimpleNamespace
+
+    from torch import nn
+    from transformers import MixtralConfig
+
+    from megablocks_utils.model.quantized_base import describe_base
+
+    model = nn.Module()
+    model.config = MixtralConfig(num_local_experts=8, num_experts_per_tok=2)
+    block = nn.Module()
+    block.mlp = nn.Module()
+    block.mlp.experts = nn.Module()
+    block.mlp.experts.gate_up_proj = QuantizedWeight("fp8", *quantize_fp8(torch.randn(8, 256, 128)))
+    model.layers = nn.ModuleList([block])
+    on_cpu = describe_base(model, 4096)
+    assert on_cpu.startswith("frozen base: experts in fp8") and "GEMMs" not in on_cpu, on_cpu
+    monkeypatch.setattr(QuantizedWeight, "device", property(lambda self: SimpleNamespace(type="cuda")))
+    assert describe_base(model, 4096).endswith("; the experts' GEMMs write each layer's bf16 weight first (1,024 rows per expert a micro-step)")
+    assert describe_base(model, 1024).endswith("; the experts' GEMMs dequantize in registers (256 rows per expert a micro-step)")
+    assert "GEMMs" not in describe_base(model)  # rows not given
+
+
 def test_fit_check_counts_the_bf16_copy_where_the_experts_dequantize_first():
     """Where auto writes the experts' bf16 weight before their GEMM (rows per expert >= 512), the plan holds the
     largest one, a layer's gate and up projections (2 x 14336 x 4096 x 8 experts in bf16 at Mixtral-8x7B's width); at

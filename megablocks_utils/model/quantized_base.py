@@ -22,7 +22,7 @@ from torch import nn
 
 from megablocks_utils.errors import InputError
 from megablocks_utils.model.architectures import decoder_layers, spec_for
-from megablocks_utils.moe.quantized import EXPERT_GEMMS, QuantizedLinear, QuantizedWeight
+from megablocks_utils.moe.quantized import EXPERT_GEMMS, QuantizedLinear, QuantizedWeight, dequantizes_first
 
 QUANTIZE_BASE = ("none", "fp8")
 # The most GPUs a run with a quantized base has run on (tests/gpu, one H200). Raise it where tests/gpu passed above it.
@@ -142,15 +142,26 @@ def set_expert_gemm(model: nn.Module, gemm: str) -> int:
     return len(found)
 
 
-def describe_base(model: nn.Module) -> str:
-    """One line for the run's start: which frozen weights are held in which format, and their bytes on this rank."""
+def describe_base(model: nn.Module, tokens: int = 0) -> str:
+    """One line for the run's start: which frozen weights are held in which format, and their bytes on this rank; on a
+    GPU, with ``tokens`` a micro-step, which way the FP8 experts' grouped GEMMs take (``moe/quantized.py``)."""
     formats: dict[str, int] = {}
+    fp8_experts = []
     for name, m in model.named_modules():
         if isinstance(m, QuantizedWeight):
             kind = "experts" if ".experts." in name else "linear layers"
             formats[f"{kind} in {m.fmt}"] = formats.get(f"{kind} in {m.fmt}", 0) + m.nbytes()
+            if kind == "experts" and m.fmt == "fp8":
+                fp8_experts.append(m)
     if not formats:
         return ""
     size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"  # noqa: E731
     parts = ", ".join(f"{what} ({size(n)})" for what, n in sorted(formats.items()))  # experts first
-    return f"frozen base: {parts}; embeddings, lm_head, routers and norms in the compute dtype"
+    line = f"frozen base: {parts}; embeddings, lm_head, routers and norms in the compute dtype"
+    if tokens and fp8_experts and fp8_experts[0].device.type == "cuda":
+        weight = fp8_experts[0]
+        rows = tokens * getattr(model.config, spec_for(model.config).top_k_attr)
+        per_expert = rows // weight.data.shape[0]
+        line += ("; the experts' GEMMs write each layer's bf16 weight first" if dequantizes_first(weight.gemm, rows, weight.data.shape[0])
+                 else "; the experts' GEMMs dequantize in registers") + f" ({per_expert:,} rows per expert a micro-step)"
+    return line
