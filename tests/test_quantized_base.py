@@ -519,6 +519,45 @@ def test_run_start_names_the_experts_gemm_way(monkeypatch):
     assert "GEMMs" not in describe_base(model)  # rows not given
 
 
+AUTO_DISPATCH_CHECK = """
+import json, torch
+import megablocks_utils.moe.fp8_gemm_kernel as kernels
+import megablocks_utils.moe.quantized as q
+calls = []
+for name in ("dequantize_fp8_blocks", "fp8_grouped_mm"):  # counted, then run as they are
+    setattr(kernels, name, lambda *a, _f=getattr(kernels, name), _n=name: calls.append(_n) or _f(*a))
+q._in_kernel = lambda x, fmt, offs: offs is not None and fmt == "fp8"  # as on a GPU (the kernels in the interpreter)
+g = torch.Generator().manual_seed(0)
+data, scale = q.quantize_fp8(torch.randn(2, 64, 32, generator=g))
+w = q.dequantize("fp8", data, scale, torch.float32)
+out = {}
+for rows in (1024, 1022):  # 512 and 511 rows per expert
+    offs = torch.tensor([rows // 2, rows], dtype=torch.int32)
+    x = torch.randn(rows, 32, generator=g, requires_grad=True)
+    calls.clear()
+    y = q.frozen_matmul(x, "fp8", data, scale, offs)
+    y.square().sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = torch.nn.functional.grouped_mm(ref_x, w.transpose(-2, -1), offs=offs)
+    ref.square().sum().backward()
+    out[str(rows)] = {"calls": list(calls), "out": float((y - ref).abs().max() / ref.abs().max()),
+                      "grad": float((x.grad - ref_x.grad).abs().max() / ref_x.grad.abs().max())}
+print(json.dumps(out))
+"""
+
+
+def test_auto_takes_each_way_by_rows_per_expert_forward_and_backward():
+    """frozen_matmul's default (auto) on the GPU path (the kernels in Triton's interpreter): at 512 rows per expert the
+    forward and the input's gradient each write the bf16 weight first, at 511 each runs the in-register kernel; both
+    give the product and gradient of the dequantized weight."""
+    from conftest import run_in_triton_interpreter
+
+    result = run_in_triton_interpreter(AUTO_DISPATCH_CHECK)
+    assert result["1024"]["calls"] == ["dequantize_fp8_blocks"] * 2, result
+    assert result["1022"]["calls"] == ["fp8_grouped_mm"] * 2, result
+    assert max(max(r["out"], r["grad"]) for r in result.values()) < 1e-5, result
+
+
 def test_fit_check_counts_the_bf16_copy_where_the_experts_dequantize_first():
     """Where auto writes the experts' bf16 weight before their GEMM (rows per expert >= 512), the plan holds the
     largest one, a layer's gate and up projections (2 x 14336 x 4096 x 8 experts in bf16 at Mixtral-8x7B's width); at
