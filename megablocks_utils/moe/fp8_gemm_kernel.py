@@ -10,6 +10,11 @@ have few rows each (Qwen3-30B-A3B's 256 at 4,096 tokens) that costs more than th
 ``dequantize_fp8_blocks`` is that pass, at the memory's speed, for torch's bf16 grouped GEMM to read (the "dequantize"
 way, which ``quantized.py`` takes from 512 rows per expert); its copy lives while its GEMM runs.
 
+Orientation: each program computes its output tile transposed, ``B^T x^T``, so that the dequantized weight is the
+tensor cores' first operand. On Hopper that operand may come from registers, where the dequantization leaves it; as
+the second operand it would first be stored to shared memory, and each step would wait for the previous step's
+product to finish reading that buffer.
+
 Tiles: each program takes one [BLOCK_M, BLOCK_C] tile of one expert's rows. The experts' row counts stay on the GPU:
 a program finds its expert from the running count of tiles per expert (``offs``), and the grid has room for the most
 row tiles any routing can need (rows / BLOCK_M + experts); the programs past the real tiles return at once. Programs
@@ -24,10 +29,10 @@ import triton.language as tl
 
 SCALE_BLOCK = 128
 # (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages, GROUP_M): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one
-# block row). The fastest of 12 tilings and launch orders at Qwen3-30B-A3B's expert shape on one H200, forward and the
-# input's gradient of both GEMMs: 1.855 ms against 2.084 for the earlier 256 x 128 x 64 with row tiles first
-# (bench/fp8_gemm_bench.py --configs all, 2026-12-02; bench/reports/lora_fp8_base_speed_quality_h200_2026-12-02.md).
-CONFIG = (128, 128, 64, 4, 4, 1)
+# block row). The fastest of 9 tilings, each in both orientations, at Qwen3-30B-A3B's expert shape on one H200, forward
+# and the input's gradient of both GEMMs: 1.608 ms, where the other orientation's best tiling took 1.834 (bf16: 1.044;
+# bench/fp8_gemm_bench.py, 2026-12-02; bench/reports/fp8_expert_kernel_orientation_h200_2026-12-02.md).
+CONFIG = (256, 128, 64, 8, 4, 1)
 
 
 @triton.jit
@@ -59,17 +64,17 @@ def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, E, R, C, SLOTS, 
     m_in, c_in = rm < end, rc < C
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_cols = s_ptr + expert.to(tl.int64) * stride_se + (rc // SCALE_BLOCK) * stride_sc
-    acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)  # the output tile, transposed
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         r_in = rr < R
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + rr[None, :] * stride_xr, mask=m_in[:, None] & r_in[None, :], other=0.0)
-        w = tl.load(w_base + rr[:, None] * stride_wr + rc[None, :] * stride_wc, mask=r_in[:, None] & c_in[None, :], other=0.0)
+        x_t = tl.load(x_ptr + rm[None, :] * stride_xm + rr[:, None] * stride_xr, mask=m_in[None, :] & r_in[:, None], other=0.0)
+        w_t = tl.load(w_base + rr[None, :] * stride_wr + rc[:, None] * stride_wc, mask=r_in[None, :] & c_in[:, None], other=0.0)
         scale = tl.load(s_cols + (r0 // SCALE_BLOCK) * stride_sr, mask=c_in, other=0.0)
-        b = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)  # the dequantized values
-        acc = tl.dot(a, b, acc)
-    tl.store(out_ptr + rm[:, None] * stride_om + rc[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty),
-             mask=m_in[:, None] & c_in[None, :])
+        b_t = (w_t.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)  # the dequantized values, B^T
+        acc = tl.dot(b_t, x_t, acc)
+    tl.store(out_ptr + rm[None, :] * stride_om + rc[:, None] * stride_oc, acc.to(out_ptr.dtype.element_ty),
+             mask=m_in[None, :] & c_in[:, None])
 
 
 def fp8_grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, transpose: bool,
