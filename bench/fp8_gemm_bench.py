@@ -1,6 +1,7 @@
 """FP8 GEMMs against torch's bf16 ones, one GPU. Prints one JSON line per measurement.
 
-Default: the experts' GEMMs over an FP8 base at a model's expert shapes, routing even, forward (x @ W^T) and the input's
+Default: the experts' GEMMs over an FP8 base at a model's expert shapes, routing even (``--routing uniform``: the
+counts scatter as a model's do), forward (x @ W^T) and the input's
 gradient (grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass (compiled, or our Triton kernel) then it,
 and the in-register dequantizing kernel (``moe/fp8_gemm_kernel.py``, each tiling).
 
@@ -8,7 +9,7 @@ and the in-register dequantizing kernel (``moe/fp8_gemm_kernel.py``, each tiling
 training GEMMs: the experts' grouped GEMM (torchao's rowwise grouped) and a dense Linear (torchao's float8 rowwise and
 tensorwise, compiled).
 
-    python bench/fp8_gemm_bench.py [--shapes qwen3,mixtral] [--configs 1] [--table]
+    python bench/fp8_gemm_bench.py [--shapes qwen3,mixtral] [--configs 1] [--routing even|uniform] [--table]
 """
 
 import argparse
@@ -42,6 +43,18 @@ def timed(fn, reps: int = 20) -> float:
     return start.elapsed_time(stop) / reps / 1e3
 
 
+def routed_offsets(experts: int, rows: int, routing: str) -> torch.Tensor:
+    """Each expert's end in the grouped rows: ``even`` (rows / experts each) or ``uniform`` (each row's expert drawn
+    uniformly, seeded: counts scatter around the mean, as a model's routing does, so tiles sized to the mean run part
+    empty)."""
+    if routing == "even":
+        counts = torch.full((experts,), rows // experts)
+    else:
+        drawn = torch.randint(experts, (rows,), generator=torch.Generator().manual_seed(0))
+        counts = torch.bincount(drawn, minlength=experts)
+    return counts.cumsum(0).to(device="cuda", dtype=torch.int32)
+
+
 def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
     d = got.float() - ref
     return {"rel_err_max": float(d.abs().max() / ref.abs().max()), "rel_err_rms": float(d.norm() / ref.norm())}
@@ -57,13 +70,13 @@ def kernels(args) -> None:
     best = {}
     for shape in args.shapes.split(","):
         experts, hidden, width, rows = SHAPES[shape]
-        offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
+        offs = routed_offsets(experts, rows, args.routing)
         for name, (n, k) in {"gate_up": (2 * width, hidden), "down": (hidden, width)}.items():
             w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             data, scale = quantize_fp8(w)
             for way, transpose in (("forward", True), ("input_grad", False)):
                 x = torch.randn(rows, k if transpose else n, device="cuda", dtype=torch.bfloat16)
-                flops = 2 * rows * n * k
+                flops = 2 * int(offs[-1]) * n * k
                 ref_w = dequantize("fp8", data, scale, torch.bfloat16)
                 runs = {"bf16_grouped_mm": lambda: grouped_mm(x, w.transpose(-2, -1) if transpose else w, offs),
                         "dequantize_then_grouped_mm": lambda: grouped_mm(
@@ -83,7 +96,8 @@ def kernels(args) -> None:
                     except Exception as e:  # a tiling that does not compile (shared memory) is reported, not fatal
                         print(json.dumps({"shape": shape, "gemm": name, "way": way, "path": path, "error": str(e)[:300]}), flush=True)
                         continue
-                    print(json.dumps({"shape": shape, "gemm": name, "way": way, "path": path, "ms": seconds * 1e3,
+                    print(json.dumps({"shape": shape, "routing": args.routing, "gemm": name, "way": way, "path": path,
+                                      "ms": seconds * 1e3,
                                       "tflops": flops / seconds / 1e12, **err}), flush=True)
                     if path.startswith("kernel"):
                         best.setdefault(path, 0.0)
@@ -144,6 +158,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3,mixtral")
     p.add_argument("--configs", default="1", help="the kernel's tilings: all, or the first N of CONFIGS (1: the kept one)")
+    p.add_argument("--routing", choices=["even", "uniform"], default="even",
+                   help="the experts' row counts: even, or drawn per row (uniform; the kernels only)")
     p.add_argument("--table", action="store_true", help="forward + backward against torchao's FP8 training GEMMs")
     args = p.parse_args()
     table(args) if args.table else kernels(args)
