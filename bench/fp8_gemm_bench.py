@@ -1,9 +1,9 @@
 """FP8 GEMMs against torch's bf16 ones, one GPU. Prints one JSON line per measurement.
 
-Default: the experts' GEMMs over an FP8 base at a model's expert shapes, routing even (``--routing uniform``: the
-counts scatter as a model's do), forward (x @ W^T) and the input's
-gradient (grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass (compiled, or our Triton kernel) then it,
-and the in-register dequantizing kernel (``moe/fp8_gemm_kernel.py``, each tiling).
+Default: the experts' GEMMs over an FP8 base at a model's expert shapes, forward (x @ W^T) and the input's gradient
+(grad @ W): torch's bf16 grouped GEMM, a separate dequantization pass (compiled, or our Triton kernel) then it, and the
+in-register dequantizing kernel (``moe/fp8_gemm_kernel.py``, each tiling). Routing even, or ``--routing uniform``: the
+counts scatter around the mean as a model's do, and tiles sized to the mean run part empty.
 
 ``--table``: forward + backward (both gradients), quantization included, of torch's bf16 GEMMs against torchao's FP8
 training GEMMs: the experts' grouped GEMM (torchao's rowwise grouped) and a dense Linear (torchao's float8 rowwise and
@@ -31,6 +31,7 @@ CONFIGS = [(256, 128, 64, 8, 4, 1), (256, 128, 64, 8, 4, 8), (256, 128, 64, 8, 3
            (128, 128, 64, 4, 4, 8), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1), (256, 128, 128, 8, 3, 1),
            (256, 128, 64, 8, 5, 1), (256, 64, 64, 4, 4, 1)]
 
+
 def timed(fn, reps: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -45,8 +46,7 @@ def timed(fn, reps: int = 20) -> float:
 
 def routed_offsets(experts: int, rows: int, routing: str) -> torch.Tensor:
     """Each expert's end in the grouped rows: ``even`` (rows / experts each) or ``uniform`` (each row's expert drawn
-    uniformly, seeded: counts scatter around the mean, as a model's routing does, so tiles sized to the mean run part
-    empty)."""
+    uniformly, seeded)."""
     if routing == "even":
         counts = torch.full((experts,), rows // experts)
     else:
@@ -100,10 +100,11 @@ def kernels(args) -> None:
                                       "ms": seconds * 1e3,
                                       "tflops": flops / seconds / 1e12, **err}), flush=True)
                     if path.startswith("kernel"):
-                        best.setdefault(path, 0.0)
-                        best[path] += seconds
-    if best:
-        print(json.dumps({"fastest": min(best, key=best.get), "total_ms": {k: v * 1e3 for k, v in best.items()}}))
+                        best.setdefault(shape, {}).setdefault(path, 0.0)
+                        best[shape][path] += seconds
+    for shape, totals in best.items():  # the four GEMMs summed, per shape
+        print(json.dumps({"shape": shape, "fastest": min(totals, key=totals.get),
+                          "total_ms": {k: v * 1e3 for k, v in totals.items()}}))
 
 
 def table(args) -> None:

@@ -29,11 +29,9 @@ import triton.language as tl
 
 SCALE_BLOCK = 128
 # (BLOCK_M, BLOCK_C, BLOCK_R, warps, stages, GROUP_M): BLOCK_R divides SCALE_BLOCK (a step of the sum stays in one
-# block row). The fastest of 9 tilings, each in both orientations, at Qwen3-30B-A3B's expert shape with 256 rows for
-# every expert (one H200, forward and the input's gradient of both GEMMs): 1.609 ms, where the other orientation's best
-# took 1.835 (bf16: 1.044). The LoRA step over it still ran 0.84x the bf16 base's (bench/reports/
-# fp8_expert_kernel_orientation_h200_2026-12-02.md): routed counts scatter around the mean, where tiles of 256 rows run
-# part empty more often than tiles of 128 (not yet measured: bench/fp8_gemm_bench.py --routing uniform).
+# block row). The fastest tiling where this orientation was chosen (one H200, Qwen3-30B-A3B's expert shape, 256 rows
+# per expert); the sweep after it, the candidate it found and what the LoRA step measured:
+# bench/reports/fp8_expert_kernel_orientation_h200_2026-12-02.md.
 CONFIG = (256, 128, 64, 8, 4, 1)
 
 
