@@ -44,7 +44,7 @@ def timed(fn, reps: int = 20) -> float:
     return start.elapsed_time(stop) / reps / 1e3
 
 
-def routed_offsets(experts: int, rows: int, routing: str) -> torch.Tensor:
+def routed_offsets(experts: int, rows: int, routing: str, device: str = "cuda") -> torch.Tensor:
     """Each expert's end in the grouped rows: ``even`` (rows / experts each) or ``uniform`` (each row's expert drawn
     uniformly, seeded)."""
     if routing == "even":
@@ -52,7 +52,7 @@ def routed_offsets(experts: int, rows: int, routing: str) -> torch.Tensor:
     else:
         drawn = torch.randint(experts, (rows,), generator=torch.Generator().manual_seed(0))
         counts = torch.bincount(drawn, minlength=experts)
-    return counts.cumsum(0).to(device="cuda", dtype=torch.int32)
+    return counts.cumsum(0).to(device=device, dtype=torch.int32)
 
 
 def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
