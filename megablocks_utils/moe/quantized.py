@@ -14,7 +14,7 @@ grouped GEMMs take one of two ways (``QuantizedWeight.gemm``, ``EXPERT_GEMMS``, 
 - "kernel": each weight tile scaled to bf16 in registers inside our Triton GEMM, no bf16 copy written;
 - "dequantize": one pass writes the layer's bf16 weight, then torch's bf16 grouped GEMM (the copy lives while it runs);
 - "auto" (what the scripts run): "dequantize" where the experts have ``DEQUANTIZE_FIRST_ROWS`` rows each on average,
-  "kernel" below. The pass costs the weight's bytes once per GEMM, whatever the rows; the kernel costs about 0.8x a bf16
+  "kernel" below. The pass costs the weight's bytes once per GEMM, whatever the rows; the kernel costs about 0.6x a bf16
   GEMM's time more, per row. The fit check counts the copy where "auto" makes it (``memory_counts.frozen_bytes``).
 """
 
@@ -27,8 +27,9 @@ from megablocks_utils.moe.weight_grad import grouped_mm
 
 FORMATS = ("fp8", "mxfp4")
 EXPERT_GEMMS = ("auto", "kernel", "dequantize")
-# One H200, 2026-12-02 (bench/fp8_gemm_bench.py; forward and input gradient of both GEMMs): Qwen3-30B-A3B's 256 rows per
-# expert 1.86 ms in the kernel against 2.07 dequantized first; Mixtral-8x7B's 1,024 rows 15.7 against 10.0.
+# Between the two widths measured (one H200, bench/fp8_gemm_bench.py, forward and input gradient of both GEMMs, routing
+# even): Qwen3-30B-A3B's 256 rows per expert 1.64 ms in the kernel against 2.06 dequantized first; Mixtral-8x7B's 1,024
+# rows 13.6 against 9.8 (bench/reports/fp8_expert_kernel_orientation_h200_2026-12-02.md).
 DEQUANTIZE_FIRST_ROWS = 512
 FP8_BLOCK = 128  # the released checkpoints' weight_block_size, both ways
 FP8_MAX = 448.0  # float8 e4m3's largest value
